@@ -1,0 +1,587 @@
+#include "comm.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "wait.h"
+
+namespace dsp {
+namespace {
+
+constexpr size_t kCacheLine = 64;
+constexpr size_t kPage = 4096;
+constexpr uint64_t kMagic = 0x6473702d73686d31ull;  // "dsp-shm1"
+
+size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+bool processAlive(int pid) {
+  if (pid <= 0) return true;  // not published yet: cannot tell
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // An exited child that nobody reaped yet still answers kill(): read its
+  // state from /proc ('Z' zombie, 'X' dead).
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const auto close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return true;
+  const char state = line[close + 2];
+  return state != 'Z' && state != 'X';
+}
+
+// [begin, end) of slice j when `len` elements are split among n ranks in
+// ceil(len/n) pieces (the last ones may be short or empty).
+std::pair<size_t, size_t> sliceOf(int j, size_t len, int n) {
+  const size_t q = (len + n - 1) / n;
+  const size_t b = std::min(len, q * static_cast<size_t>(j));
+  return {b, std::min(len, b + q)};
+}
+
+size_t ceilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+const char* collectiveName(Collective c) {
+  switch (c) {
+    case Collective::kInit: return "init";
+    case Collective::kAllReduce: return "all_reduce";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kReduce: return "reduce";
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kGather: return "gather";
+    case Collective::kScatter: return "scatter";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllToAll: return "all_to_all";
+    case Collective::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+// ---------------------------------------------------------------------------
+// Shared-memory layout. Everything below crosses processes: fixed-size types,
+// each struct padded to its own cache lines.
+
+struct Descriptor {
+  uint32_t kind;
+  uint32_t dtype;
+  uint32_t op;
+  int32_t root;
+  uint64_t seq;
+  uint64_t count;
+  uint32_t ndim;
+  uint32_t pad;
+  int64_t dims[kMaxDims];
+  char tail[24];
+};
+static_assert(sizeof(Descriptor) % kCacheLine == 0, "Descriptor: whole lines");
+
+struct alignas(kCacheLine) ShmComm::RankControl {
+  WaitWord step;  // advanced by the owner only; waited on by everyone
+  char pad0[kCacheLine - sizeof(WaitWord)];
+  std::atomic<int32_t> pid;
+  char pad1[kCacheLine - sizeof(std::atomic<int32_t>)];
+  Descriptor desc[2];                // by step parity
+  uint64_t send_bytes[2][kMaxRanks];  // all_to_all splits, by step parity
+  uint64_t recv_bytes[2][kMaxRanks];
+};
+static_assert(sizeof(WaitWord) <= kCacheLine, "WaitWord: one line");
+static_assert(sizeof(Descriptor) * 2 % kCacheLine == 0, "RankControl: whole lines");
+
+struct alignas(kCacheLine) Header {
+  uint64_t magic;
+  uint64_t nranks;
+  uint64_t chunk_bytes;
+  char pad[kCacheLine - 3 * sizeof(uint64_t)];
+};
+static_assert(sizeof(Header) == kCacheLine, "Header: one line");
+
+struct ShmComm::Layout {
+  static size_t controlOffset() { return sizeof(Header); }
+  static size_t slotsOffset(int n) {
+    return roundUp(sizeof(Header) + n * sizeof(RankControl), kPage);
+  }
+  static size_t total(int n, size_t slot_bytes) {
+    return slotsOffset(n) + static_cast<size_t>(n) * 2 * slot_bytes;
+  }
+};
+
+// ---------------------------------------------------------------------------
+
+ShmComm::ShmComm(const std::string& name, int rank, int size,
+                 ShmOptions options)
+    : rank_(rank), size_(size), options_(options) {
+  if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size) {
+    throw std::invalid_argument("dsp: shared-memory group of size " +
+                                std::to_string(size) + " with rank " +
+                                std::to_string(rank) + " is invalid (at most " +
+                                std::to_string(kMaxRanks) + " ranks per host)");
+  }
+  options_.chunk_bytes = roundUp(std::max<size_t>(options_.chunk_bytes, kPage), kPage);
+  const size_t bytes = Layout::total(size, slotBytes());
+  deadline_ = std::chrono::steady_clock::now() + options_.timeout;
+  if (rank == 0) {
+    segment_ = Segment::create(name, bytes);
+    auto* h = static_cast<Header*>(segment_.data());
+    h->nranks = static_cast<uint64_t>(size);
+    h->chunk_bytes = options_.chunk_bytes;
+    std::atomic_thread_fence(std::memory_order_release);
+    reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic);
+  } else {
+    segment_ = Segment::attach(name, bytes, deadline_);
+    auto* h = static_cast<Header*>(segment_.data());
+    while (reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load() != kMagic) {
+      if (std::chrono::steady_clock::now() > deadline_) {
+        throw PeerError("dsp: shared-memory segment was never initialised by rank 0");
+      }
+      sched_yield();
+    }
+    if (h->nranks != static_cast<uint64_t>(size) ||
+        h->chunk_bytes != options_.chunk_bytes) {
+      throw std::runtime_error(
+          "dsp: ranks disagree on the shared-memory layout (group size " +
+          std::to_string(h->nranks) + " vs " + std::to_string(size) +
+          ", chunk bytes " + std::to_string(h->chunk_bytes) + " vs " +
+          std::to_string(options_.chunk_bytes) + "): set DSP_CHUNK_BYTES alike");
+    }
+  }
+  control(rank_).pid.store(static_cast<int32_t>(getpid()));
+  // Init step: once every rank has arrived, every rank has attached, so the
+  // name can go. From here on a crash leaves nothing in /dev/shm.
+  current_ = Collective::kInit;
+  const uint32_t s = nextStep();
+  arriveAndWait(s);
+  segment_.unlink();
+}
+
+ShmComm::~ShmComm() = default;
+
+ShmComm::RankControl& ShmComm::control(int r) const {
+  auto* base = static_cast<char*>(segment_.data()) + Layout::controlOffset();
+  return reinterpret_cast<RankControl*>(base)[r];
+}
+
+char* ShmComm::slot(int r, uint32_t step) const {
+  return static_cast<char*>(segment_.data()) + Layout::slotsOffset(size_) +
+         (static_cast<size_t>(r) * 2 + (step & 1u)) * slotBytes();
+}
+
+void ShmComm::begin(const CallInfo& info) {
+  if (!broken_.empty()) {
+    throw PeerError("dsp: this process group is unusable after an earlier "
+                    "failure: " + broken_);
+  }
+  current_ = info.kind;
+  ++seq_;
+  deadline_ = std::chrono::steady_clock::now() + options_.timeout;
+}
+
+void ShmComm::publishDescriptor(uint32_t step, const CallInfo& info,
+                                size_t count) {
+  Descriptor& d = control(rank_).desc[step & 1u];
+  d.kind = static_cast<uint32_t>(info.kind);
+  d.dtype = static_cast<uint32_t>(info.dtype);
+  d.op = static_cast<uint32_t>(info.op);
+  d.root = info.root;
+  d.seq = seq_;
+  d.count = count;
+  d.ndim = static_cast<uint32_t>(info.shape.size());
+  for (size_t i = 0; i < static_cast<size_t>(kMaxDims); ++i) {
+    d.dims[i] = i < info.shape.size() ? info.shape[i] : 0;
+  }
+}
+
+void ShmComm::publishSplits(uint32_t step, const size_t* send,
+                            const size_t* recv) {
+  RankControl& c = control(rank_);
+  for (int r = 0; r < size_; ++r) {
+    c.send_bytes[step & 1u][r] = send[r];
+    c.recv_bytes[step & 1u][r] = recv[r];
+  }
+}
+
+void ShmComm::arriveAndWait(uint32_t step) {
+  advance(control(rank_).step, step);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const RankControl& peer = control(r);
+    const WaitResult res =
+        waitFor(peer.step, step, deadline_,
+                [&peer] { return processAlive(peer.pid.load()); });
+    if (res != WaitResult::kReached) {
+      failWaiting(step, res == WaitResult::kCancelled);
+    }
+  }
+}
+
+void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
+  std::ostringstream missing;
+  std::ostringstream dead;
+  bool first = true;
+  for (int r = 0; r < size_; ++r) {
+    const RankControl& c = control(r);
+    if (reached(c.step.value.load(), step)) continue;
+    missing << (first ? "" : ", ") << r;
+    if (!processAlive(c.pid.load())) {
+      dead << " rank " << r << " (pid " << c.pid.load() << ") has exited.";
+    }
+    first = false;
+  }
+  std::ostringstream msg;
+  msg << "dsp: " << collectiveName(current_) << " #" << seq_ << " on rank "
+      << rank_ << " failed: rank(s) [" << missing.str() << "] did not arrive";
+  if (dead_peer) {
+    msg << " (a peer process died).";
+  } else {
+    msg << " within the timeout of " << options_.timeout.count() << " ms.";
+  }
+  msg << dead.str();
+  broken_ = msg.str();
+  throw PeerError(broken_);
+}
+
+namespace {
+std::string describe(const Descriptor& d) {
+  std::ostringstream o;
+  o << collectiveName(static_cast<Collective>(d.kind)) << " #" << d.seq << " "
+    << dtypeName(static_cast<DType>(d.dtype));
+  if (d.ndim > 0) {
+    o << "[";
+    for (uint32_t i = 0; i < std::min<uint32_t>(d.ndim, kMaxDims); ++i) {
+      o << (i ? ", " : "") << d.dims[i];
+    }
+    o << (d.ndim > static_cast<uint32_t>(kMaxDims) ? ", ...]" : "]");
+  } else {
+    o << " count " << d.count;
+  }
+  const auto kind = static_cast<Collective>(d.kind);
+  if (kind == Collective::kAllReduce || kind == Collective::kReduce ||
+      kind == Collective::kReduceScatter) {
+    o << " op " << reduceOpName(static_cast<ReduceOp>(d.op));
+  }
+  if (d.root >= 0) o << " root " << d.root;
+  return o.str();
+}
+
+bool sameCall(const Descriptor& a, const Descriptor& b, bool compare_counts) {
+  if (a.kind != b.kind || a.dtype != b.dtype || a.op != b.op ||
+      a.root != b.root || a.seq != b.seq) {
+    return false;
+  }
+  if (!compare_counts) return true;
+  if (a.count != b.count || a.ndim != b.ndim) return false;
+  return std::equal(a.dims, a.dims + kMaxDims, b.dims);
+}
+}  // namespace
+
+void ShmComm::checkDescriptors(uint32_t step, bool compare_counts) const {
+  const Descriptor& ref = control(0).desc[step & 1u];
+  bool ok = true;
+  for (int r = 1; r < size_ && ok; ++r) {
+    ok = sameCall(ref, control(r).desc[step & 1u], compare_counts);
+  }
+  if (ok) return;
+  // Every rank reads the same descriptors, so every rank raises this same
+  // message.
+  std::ostringstream msg;
+  msg << "dsp: ranks called mismatched collectives at " << collectiveName(current_)
+      << " #" << seq_ << " (every rank must call the same collective with the "
+      << "same dtype, shape, op and root):";
+  for (int r = 0; r < size_; ++r) {
+    msg << "\n  rank " << r << ": " << describe(control(r).desc[step & 1u]);
+  }
+  throw MismatchError(msg.str());
+}
+
+void ShmComm::checkSplits(uint32_t step) const {
+  const unsigned p = step & 1u;
+  for (int i = 0; i < size_; ++i) {
+    for (int j = 0; j < size_; ++j) {
+      const uint64_t sent = control(i).send_bytes[p][j];
+      const uint64_t expected = control(j).recv_bytes[p][i];
+      if (sent != expected) {
+        std::ostringstream msg;
+        msg << "dsp: all_to_all #" << seq_ << ": rank " << i << " sends "
+            << sent << " bytes to rank " << j << ", which expects " << expected
+            << " bytes from it (split sizes must match across ranks)";
+        throw MismatchError(msg.str());
+      }
+    }
+  }
+}
+
+size_t ShmComm::maxSendOverRanks(uint32_t step) const {
+  uint64_t m = 0;
+  for (int i = 0; i < size_; ++i) {
+    for (int j = 0; j < size_; ++j) {
+      m = std::max(m, control(i).send_bytes[step & 1u][j]);
+    }
+  }
+  return static_cast<size_t>(m);
+}
+
+// ---------------------------------------------------------------------------
+// all-reduce
+
+void ShmComm::allReduce(const void* in, void* out, size_t count,
+                        const CallInfo& info) {
+  begin(info);
+  if (count * elementSize(info.dtype) <= options_.one_shot_max_bytes &&
+      count * elementSize(info.dtype) <= options_.chunk_bytes) {
+    allReduceOneShot(in, out, count, info);
+  } else {
+    allReduceScatterGather(in, out, count, info);
+  }
+}
+
+// Small messages: one step. Every rank copies its input into its slot, then
+// reduces all n slots into its output. Fewest synchronisations; the n-fold
+// read is cheap while it stays in cache.
+void ShmComm::allReduceOneShot(const void* in, void* out, size_t count,
+                               const CallInfo& info) {
+  const size_t bytes = count * elementSize(info.dtype);
+  const uint32_t s = nextStep();
+  publishDescriptor(s, info, count);
+  if (bytes) std::memcpy(slot(rank_, s), in, bytes);
+  arriveAndWait(s);
+  checkDescriptors(s, true);
+  std::vector<const void*> srcs(size_);
+  for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s);
+  reduceInto(out, srcs.data(), size_, count, info.dtype, info.op, size_);
+}
+
+// Large messages: pipelined reduce-scatter + all-gather over segments of
+// chunk_bytes. In step k a rank
+//   1. copies segment k of its input into the `in` half of its slot k%2,
+//   2. waits for everyone,
+//   3. reduces its 1/n slice of segment k from every rank's `in` half into
+//      the `out` half of its own slot k%2,
+//   4. copies segment k-1's reduced slices from every rank's `out` half of
+//      slot (k-1)%2 into its output (written in step k-1, before the peers
+//      arrived at k).
+// One extra step drains the last segment. Each rank touches about 3.5x the
+// message (copy in, 1/n reduce, copy out) instead of n+2 times.
+void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
+                                     const CallInfo& info) {
+  const size_t es = elementSize(info.dtype);
+  const size_t seg = options_.chunk_bytes / es;
+  const size_t nseg = ceilDiv(count, seg);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  std::vector<const void*> srcs(size_);
+  uint32_t prev = 0;
+  for (size_t k = 0; k <= nseg; ++k) {
+    const uint32_t s = nextStep();
+    const size_t segBegin = k * seg;
+    const size_t segLen = k < nseg ? std::min(seg, count - segBegin) : 0;
+    if (k == 0) publishDescriptor(s, info, count);
+    if (segLen) std::memcpy(slot(rank_, s), src + segBegin * es, segLen * es);
+    arriveAndWait(s);
+    if (k == 0) checkDescriptors(s, true);
+    if (segLen) {
+      const auto [b, e] = sliceOf(rank_, segLen, size_);
+      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + b * es;
+      char* outHalf = slot(rank_, s) + options_.chunk_bytes;
+      reduceInto(outHalf + b * es, srcs.data(), size_, e - b, info.dtype,
+                 info.op, size_);
+    }
+    if (k > 0) {
+      const size_t prevBegin = (k - 1) * seg;
+      const size_t prevLen = std::min(seg, count - prevBegin);
+      for (int r = 0; r < size_; ++r) {
+        const auto [b, e] = sliceOf(r, prevLen, size_);
+        if (e > b) {
+          std::memcpy(dst + (prevBegin + b) * es,
+                      slot(r, prev) + options_.chunk_bytes + b * es,
+                      (e - b) * es);
+        }
+      }
+    }
+    prev = s;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// byte-moving collectives: one slot (two chunks) per rank per step
+
+void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
+  begin(info);
+  const size_t per = slotBytes();
+  const size_t steps = std::max<size_t>(1, ceilDiv(bytes, per));
+  char* p = static_cast<char*>(buf);
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t s = nextStep();
+    const size_t off = k * per;
+    const size_t len = std::min(per, bytes - std::min(bytes, off));
+    if (k == 0) publishDescriptor(s, info, bytes);
+    if (rank_ == info.root && len) std::memcpy(slot(rank_, s), p + off, len);
+    arriveAndWait(s);
+    if (k == 0) checkDescriptors(s, true);
+    if (rank_ != info.root && len) std::memcpy(p + off, slot(info.root, s), len);
+  }
+}
+
+// Root reduces every chunk; the others only copy in. Rooted reductions are
+// rare in training, so simplicity wins over spreading the work.
+void ShmComm::reduce(const void* in, void* out, size_t count,
+                     const CallInfo& info) {
+  begin(info);
+  const size_t es = elementSize(info.dtype);
+  const size_t per = slotBytes() / es;
+  const size_t steps = std::max<size_t>(1, ceilDiv(count, per));
+  std::vector<const void*> srcs(size_);
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t s = nextStep();
+    const size_t off = k * per;
+    const size_t len = std::min(per, count - std::min(count, off));
+    if (k == 0) publishDescriptor(s, info, count);
+    if (len) {
+      std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off * es,
+                  len * es);
+    }
+    arriveAndWait(s);
+    if (k == 0) checkDescriptors(s, true);
+    if (rank_ == info.root && len) {
+      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s);
+      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
+                 info.dtype, info.op, size_);
+    }
+  }
+}
+
+void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
+                        const CallInfo& info) {
+  gather(in, bytes, outs, info);
+}
+
+// all_gather and gather share this loop: in gather only the root reads.
+void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
+                     const CallInfo& info) {
+  begin(info);
+  const bool everyoneReads = info.kind == Collective::kAllGather;
+  const size_t per = slotBytes();
+  const size_t steps = std::max<size_t>(1, ceilDiv(bytes, per));
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t s = nextStep();
+    const size_t off = k * per;
+    const size_t len = std::min(per, bytes - std::min(bytes, off));
+    if (k == 0) publishDescriptor(s, info, bytes);
+    if (len) std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off, len);
+    arriveAndWait(s);
+    if (k == 0) checkDescriptors(s, true);
+    if ((everyoneReads || rank_ == info.root) && len) {
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s), len);
+      }
+    }
+  }
+}
+
+void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
+                      const CallInfo& info) {
+  begin(info);
+  const size_t per = slotBytes() / size_;  // root's slot holds n pieces
+  const size_t steps = std::max<size_t>(1, ceilDiv(bytes, per));
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t s = nextStep();
+    const size_t off = k * per;
+    const size_t len = std::min(per, bytes - std::min(bytes, off));
+    if (k == 0) publishDescriptor(s, info, bytes);
+    if (rank_ == info.root && len) {
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(slot(rank_, s) + r * per,
+                    static_cast<const char*>(ins[r]) + off, len);
+      }
+    }
+    arriveAndWait(s);
+    if (k == 0) checkDescriptors(s, true);
+    if (len) {
+      std::memcpy(static_cast<char*>(out) + off,
+                  slot(info.root, s) + rank_ * per, len);
+    }
+  }
+}
+
+// Each step carries the same element range of all n destination blocks; a
+// rank reduces the pieces addressed to it straight into its output.
+void ShmComm::reduceScatter(const void* const* ins, void* out, size_t count,
+                            const CallInfo& info) {
+  begin(info);
+  const size_t es = elementSize(info.dtype);
+  const size_t per = slotBytes() / size_ / es;  // elements per block per step
+  const size_t steps = std::max<size_t>(1, ceilDiv(count, per));
+  std::vector<const void*> srcs(size_);
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t s = nextStep();
+    const size_t off = k * per;
+    const size_t len = std::min(per, count - std::min(count, off));
+    if (k == 0) publishDescriptor(s, info, count);
+    for (int j = 0; j < size_ && len; ++j) {
+      std::memcpy(slot(rank_, s) + j * per * es,
+                  static_cast<const char*>(ins[j]) + off * es, len * es);
+    }
+    arriveAndWait(s);
+    if (k == 0) checkDescriptors(s, true);
+    if (len) {
+      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + rank_ * per * es;
+      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
+                 info.dtype, info.op, size_);
+    }
+  }
+}
+
+// Uneven splits: each step moves up to slot/n bytes of every (src, dst) pair;
+// the number of steps is the largest split anywhere, known to every rank
+// once the first step's split tables are visible.
+void ShmComm::allToAll(const void* const* ins, const size_t* send_bytes,
+                       void* const* outs, const size_t* recv_bytes,
+                       const CallInfo& info) {
+  begin(info);
+  const size_t per = slotBytes() / size_;
+  size_t steps = 1;
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t s = nextStep();
+    const size_t off = k * per;
+    if (k == 0) {
+      publishDescriptor(s, info, 0);
+      publishSplits(s, send_bytes, recv_bytes);
+    }
+    for (int j = 0; j < size_; ++j) {
+      const size_t len = std::min(per, send_bytes[j] - std::min(send_bytes[j], off));
+      if (len) {
+        std::memcpy(slot(rank_, s) + j * per,
+                    static_cast<const char*>(ins[j]) + off, len);
+      }
+    }
+    arriveAndWait(s);
+    if (k == 0) {
+      checkDescriptors(s, false);
+      checkSplits(s);
+      steps = std::max<size_t>(1, ceilDiv(maxSendOverRanks(s), per));
+    }
+    for (int r = 0; r < size_; ++r) {
+      const size_t len = std::min(per, recv_bytes[r] - std::min(recv_bytes[r], off));
+      if (len) {
+        std::memcpy(static_cast<char*>(outs[r]) + off,
+                    slot(r, s) + rank_ * per, len);
+      }
+    }
+  }
+}
+
+void ShmComm::barrier() {
+  CallInfo info;
+  info.kind = Collective::kBarrier;
+  begin(info);
+  const uint32_t s = nextStep();
+  publishDescriptor(s, info, 0);
+  arriveAndWait(s);
+  checkDescriptors(s, true);
+}
+
+}  // namespace dsp

@@ -1,0 +1,162 @@
+// ShmComm: collectives among the processes of one host over one POSIX
+// shared-memory segment.
+//
+// Ordering contract: every rank calls the same collectives in the same order
+// (as in any c10d backend). One ShmComm is driven by one thread at a time.
+//
+// Protocol. Each rank owns a control block (a step counter it alone advances)
+// and two data slots. A collective is a sequence of *steps*; in step s a rank
+// writes into its slot s%2, advances its counter to s, waits until every
+// rank's counter reached s, then reads the others' slot s%2. The rule that
+// makes double-buffering safe: a rank reads slot s%2 of a peer only during
+// step s (and step s+1 for the reduced `out` half, see allReduce), and writes
+// its own slot s%2 only after every rank reached s-1, by which time all reads
+// of step s-2 are finished. The first step of every collective also carries a
+// Descriptor (kind, dtype, op, root, sequence number, shape), which every
+// rank checks against all the others: a mismatch raises the same error on
+// every rank, and all of them have consumed exactly one step, so the group
+// stays usable.
+//
+// Failure: every wait has the group's deadline. A rank that does not arrive
+// in time, or whose process has exited, makes the others raise an error that
+// names the collective, its sequence number and the missing ranks; the comm is
+// then broken and refuses further work.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../reduce.h"
+#include "segment.h"
+
+namespace dsp {
+
+enum class Collective : uint32_t {
+  kInit = 0,
+  kAllReduce,
+  kBroadcast,
+  kReduce,
+  kAllGather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier,
+};
+const char* collectiveName(Collective c);
+
+constexpr int kMaxRanks = 64;
+constexpr int kMaxDims = 8;
+
+// What the caller says about one collective call: checked across ranks.
+struct CallInfo {
+  Collective kind = Collective::kBarrier;
+  DType dtype = DType::kUInt8;
+  ReduceOp op = ReduceOp::kSum;
+  int root = -1;
+  std::vector<int64_t> shape;  // of the tensor that must agree across ranks
+};
+
+// Raised (on every rank) when ranks disagree about a collective.
+class MismatchError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Raised when a peer is late past the deadline or has died.
+class PeerError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct ShmOptions {
+  // Bytes per half-slot; a slot (one parity) is twice this. The all-reduce
+  // moves `chunk_bytes` per step; byte-moving collectives a whole slot.
+  size_t chunk_bytes = size_t{1} << 20;
+  // All-reduces up to this size use the one-shot algorithm (every rank
+  // reduces everything: one synchronisation); larger ones reduce-scatter
+  // then all-gather (each rank reduces 1/n).
+  size_t one_shot_max_bytes = size_t{256} << 10;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+};
+
+class ShmComm {
+ public:
+  // Rank 0 creates the segment `name`; the others attach to it. Returns after
+  // every rank attached, when rank 0 has already unlinked the name.
+  ShmComm(const std::string& name, int rank, int size, ShmOptions options);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  uint64_t sequenceNumber() const { return seq_; }
+  const ShmOptions& options() const { return options_; }
+  void setTimeout(std::chrono::milliseconds t) { options_.timeout = t; }
+  // Bytes of shared memory this comm maps (for the leak checks in tests).
+  size_t segmentBytes() const { return segment_.size(); }
+
+  // out[i] = op over ranks of in[i]; in may equal out. AVG divides by size().
+  void allReduce(const void* in, void* out, size_t count, const CallInfo& info);
+  // buf on every rank becomes root's buf.
+  void broadcast(void* buf, size_t bytes, const CallInfo& info);
+  // out (root only; may equal in) = op over ranks of in.
+  void reduce(const void* in, void* out, size_t count, const CallInfo& info);
+  // outs[r] (size() pointers, each `bytes`) = rank r's in.
+  void allGather(const void* in, size_t bytes, void* const* outs,
+                 const CallInfo& info);
+  // As allGather, outs read on root only.
+  void gather(const void* in, size_t bytes, void* const* outs,
+              const CallInfo& info);
+  // out = root's ins[rank()] (ins read on root only).
+  void scatter(const void* const* ins, void* out, size_t bytes,
+               const CallInfo& info);
+  // out = op over ranks r of rank r's ins[rank()] (count elements each).
+  void reduceScatter(const void* const* ins, void* out, size_t count,
+                     const CallInfo& info);
+  // outs[r] (recv_bytes[r]) = rank r's ins[rank()] (its send_bytes[rank()]).
+  void allToAll(const void* const* ins, const size_t* send_bytes,
+                void* const* outs, const size_t* recv_bytes,
+                const CallInfo& info);
+  void barrier();
+
+ private:
+  struct Layout;
+  struct RankControl;
+
+  RankControl& control(int r) const;
+  char* slot(int r, uint32_t step) const;
+  size_t slotBytes() const { return 2 * options_.chunk_bytes; }
+
+  // Begins a collective: checks the comm is usable, takes a sequence number.
+  void begin(const CallInfo& info);
+  uint32_t nextStep() { return ++step_; }
+  void publishDescriptor(uint32_t step, const CallInfo& info, size_t count);
+  void publishSplits(uint32_t step, const size_t* send, const size_t* recv);
+  void arriveAndWait(uint32_t step);
+  void checkDescriptors(uint32_t step, bool compare_counts) const;
+  void checkSplits(uint32_t step) const;
+  size_t maxSendOverRanks(uint32_t step) const;
+  [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
+
+  void allReduceOneShot(const void* in, void* out, size_t count,
+                        const CallInfo& info);
+  void allReduceScatterGather(const void* in, void* out, size_t count,
+                              const CallInfo& info);
+
+  int rank_;
+  int size_;
+  ShmOptions options_;
+  Segment segment_;
+  uint32_t step_ = 0;
+  uint64_t seq_ = 0;
+  Collective current_ = Collective::kInit;
+  std::chrono::steady_clock::time_point deadline_;
+  std::vector<int> peer_pids_;
+  std::string broken_;  // non-empty: why this comm refuses work
+};
+
+}  // namespace dsp

@@ -1,0 +1,73 @@
+// Spin-then-sleep waiting on a 32-bit counter in shared memory.
+//
+// Ranks may outnumber cores: a pure spin then burns the very core the late
+// peer needs, and latency collapses. So a waiter spins briefly (the peer is
+// usually microseconds away), then yields, then sleeps on a futex that the
+// writer wakes only when someone is actually asleep (the `sleepers` count),
+// so the fast path costs the writer no syscall.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace dsp {
+
+// A counter that one process advances and others wait on. Lives in shared
+// memory; both words must be zero-initialised.
+struct WaitWord {
+  std::atomic<uint32_t> value;
+  std::atomic<uint32_t> sleepers;
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free,
+              "futex words must be lock-free atomics");
+static_assert(sizeof(WaitWord) == 8, "WaitWord crosses processes: keep its layout");
+
+// True when `value` has reached `target` in wrap-around order.
+inline bool reached(uint32_t value, uint32_t target) {
+  return static_cast<int32_t>(value - target) >= 0;
+}
+
+// Publishes `value` and wakes sleepers, if any.
+void advance(WaitWord& word, uint32_t value);
+
+enum class WaitResult { kReached, kTimedOut, kCancelled };
+
+// Waits until word.value reaches target or the deadline passes. `still_ok` is
+// polled while asleep (every few ms): returning false cancels the wait (a
+// dead peer). Spin and yield budgets are set by tuneWaiting.
+template <typename StillOk>
+WaitResult waitFor(const WaitWord& word, uint32_t target,
+                   std::chrono::steady_clock::time_point deadline,
+                   StillOk&& still_ok);
+
+// Number of pause-spins and sched_yields before sleeping.
+void tuneWaiting(int spins, int yields);
+
+namespace detail {
+bool spinThenYield(const WaitWord& word, uint32_t target);
+// One futex sleep of at most `slice`; returns when woken, on timeout or
+// spuriously. The caller re-checks.
+void sleepOnce(const WaitWord& word, uint32_t observed,
+               std::chrono::microseconds slice);
+}  // namespace detail
+
+template <typename StillOk>
+WaitResult waitFor(const WaitWord& word, uint32_t target,
+                   std::chrono::steady_clock::time_point deadline,
+                   StillOk&& still_ok) {
+  if (detail::spinThenYield(word, target)) return WaitResult::kReached;
+  constexpr auto kSleepSlice = std::chrono::milliseconds(5);
+  for (;;) {
+    const uint32_t v = word.value.load(std::memory_order_acquire);
+    if (reached(v, target)) return WaitResult::kReached;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return WaitResult::kTimedOut;
+    if (!still_ok()) return WaitResult::kCancelled;
+    const auto left =
+        std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
+    detail::sleepOnce(word, v, left < kSleepSlice ? left : kSleepSlice);
+  }
+}
+
+}  // namespace dsp

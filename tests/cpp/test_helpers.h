@@ -1,0 +1,55 @@
+// Runs n ranks of a ShmComm as threads of this process (as gloo's tests do).
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/shm/comm.h"
+
+namespace dsp::testing {
+
+inline ShmOptions smallOptions() {
+  ShmOptions o;
+  o.chunk_bytes = 4096;  // tiny chunks: every size class takes many steps
+  o.one_shot_max_bytes = 2048;
+  o.timeout = std::chrono::seconds(20);
+  return o;
+}
+
+// Calls fn(comm) on every rank; returns each rank's exception (or null).
+inline std::vector<std::exception_ptr> runRanks(
+    int n, const std::function<void(ShmComm&)>& fn,
+    ShmOptions options = smallOptions()) {
+  const std::string name = Segment::randomName();
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ShmComm comm(name, r, n, options);
+        fn(comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+inline std::string messageOf(const std::exception_ptr& e) {
+  if (!e) return "";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  }
+  return "unknown";
+}
+
+}  // namespace dsp::testing

@@ -1,0 +1,127 @@
+// Reduction kernels against closed forms, every dtype x op, sizes around the
+// accumulator block.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/half.h"
+#include "core/reduce.h"
+
+namespace dsp {
+namespace {
+
+const std::vector<size_t> kSizes = {0, 1, 7, 4095, 4096, 4097, 10001};
+
+template <typename T>
+void checkIntegral(DType dt) {
+  for (size_t n : kSizes) {
+    for (int nsrc : {1, 2, 3, 5}) {
+      std::vector<std::vector<T>> in(nsrc, std::vector<T>(n));
+      for (int j = 0; j < nsrc; ++j)
+        for (size_t i = 0; i < n; ++i) in[j][i] = static_cast<T>((j + 1) + (i % 3));
+      std::vector<const void*> srcs;
+      for (auto& v : in) srcs.push_back(v.data());
+      std::vector<T> out(n);
+      reduceInto(out.data(), srcs.data(), nsrc, n, dt, ReduceOp::kSum, nsrc);
+      for (size_t i = 0; i < n; ++i) {
+        const long expect = nsrc * (nsrc + 1) / 2 + nsrc * static_cast<long>(i % 3);
+        ASSERT_EQ(out[i], static_cast<T>(expect)) << dtypeName(dt) << " i=" << i;
+      }
+      reduceInto(out.data(), srcs.data(), nsrc, n, dt, ReduceOp::kMax, nsrc);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], static_cast<T>(nsrc + i % 3));
+      reduceInto(out.data(), srcs.data(), nsrc, n, dt, ReduceOp::kMin, nsrc);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], static_cast<T>(1 + i % 3));
+      reduceInto(out.data(), srcs.data(), nsrc, n, dt, ReduceOp::kProduct, nsrc);
+      for (size_t i = 0; i < n; ++i) {
+        long p = 1;
+        for (int j = 0; j < nsrc; ++j) p *= (j + 1) + static_cast<long>(i % 3);
+        ASSERT_EQ(out[i], static_cast<T>(p));
+      }
+    }
+  }
+}
+
+TEST(Reduce, Integers) {
+  checkIntegral<int8_t>(DType::kInt8);
+  checkIntegral<uint8_t>(DType::kUInt8);
+  checkIntegral<int16_t>(DType::kInt16);
+  checkIntegral<int32_t>(DType::kInt32);
+  checkIntegral<int64_t>(DType::kInt64);
+}
+
+template <typename T>
+void checkFloating(DType dt) {
+  for (size_t n : kSizes) {
+    for (int nsrc : {1, 2, 4}) {
+      std::vector<std::vector<T>> in(nsrc, std::vector<T>(n));
+      for (int j = 0; j < nsrc; ++j)
+        for (size_t i = 0; i < n; ++i) in[j][i] = static_cast<T>(j + 1) * T(0.5);
+      std::vector<const void*> srcs;
+      for (auto& v : in) srcs.push_back(v.data());
+      std::vector<T> out(n);
+      reduceInto(out.data(), srcs.data(), nsrc, n, dt, ReduceOp::kAvg, nsrc);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], T(0.25) * (nsrc + 1));
+      // in place: dst aliases the first source
+      reduceInto(in[0].data(), srcs.data(), nsrc, n, dt, ReduceOp::kSum, nsrc);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(in[0][i], T(0.25) * nsrc * (nsrc + 1));
+    }
+  }
+}
+
+TEST(Reduce, Floating) {
+  checkFloating<float>(DType::kFloat32);
+  checkFloating<double>(DType::kFloat64);
+}
+
+TEST(Reduce, HalfAndBFloatAccumulateInFloat) {
+  // 1 + 2^-11 * k is not representable in fp16 per term, but the fp32
+  // accumulation of 4 terms of 1.0 plus small parts rounds once.
+  for (DType dt : {DType::kFloat16, DType::kBFloat16}) {
+    const bool isHalf = dt == DType::kFloat16;
+    auto enc = [&](float f) { return isHalf ? floatToHalf(f) : floatToBfloat16(f); };
+    auto dec = [&](uint16_t h) { return isHalf ? halfToFloat(h) : bfloat16ToFloat(h); };
+    for (size_t n : kSizes) {
+      std::vector<std::vector<uint16_t>> in(3, std::vector<uint16_t>(n));
+      for (int j = 0; j < 3; ++j)
+        for (size_t i = 0; i < n; ++i) in[j][i] = enc(static_cast<float>(j + 1) + 0.5f);
+      std::vector<const void*> srcs = {in[0].data(), in[1].data(), in[2].data()};
+      std::vector<uint16_t> out(n);
+      reduceInto(out.data(), srcs.data(), 3, n, dt, ReduceOp::kSum, 3);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(dec(out[i]), 7.5f);
+      reduceInto(out.data(), srcs.data(), 3, n, dt, ReduceOp::kMax, 3);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(dec(out[i]), 3.5f);
+    }
+  }
+}
+
+TEST(Reduce, HalfConversionRoundTrips) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = halfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(floatToHalf(f), h) << h;
+  }
+  EXPECT_EQ(halfToFloat(floatToHalf(65504.0f)), 65504.0f);
+  EXPECT_TRUE(std::isinf(halfToFloat(floatToHalf(1e6f))));
+  EXPECT_EQ(bfloat16ToFloat(floatToBfloat16(1.0f + 1.0f / 256)), 1.0f);  // ties to even
+}
+
+TEST(Reduce, BoolIsLogical) {
+  std::vector<uint8_t> a = {0, 1, 0, 1}, b = {0, 0, 1, 1}, out(4);
+  std::vector<const void*> srcs = {a.data(), b.data()};
+  reduceInto(out.data(), srcs.data(), 2, 4, DType::kBool, ReduceOp::kSum, 2);
+  EXPECT_EQ(out, (std::vector<uint8_t>{0, 1, 1, 1}));
+  reduceInto(out.data(), srcs.data(), 2, 4, DType::kBool, ReduceOp::kProduct, 2);
+  EXPECT_EQ(out, (std::vector<uint8_t>{0, 0, 0, 1}));
+}
+
+TEST(Reduce, UnsupportedCombinationsAreNamed) {
+  EXPECT_EQ(unsupportedReason(DType::kFloat32, ReduceOp::kAvg), "");
+  const std::string why = unsupportedReason(DType::kInt32, ReduceOp::kAvg);
+  EXPECT_NE(why.find("AVG"), std::string::npos);
+  EXPECT_NE(why.find("int32"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dsp

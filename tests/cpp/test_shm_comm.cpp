@@ -1,0 +1,287 @@
+// ShmComm collectives with ranks as threads: exact closed forms over sizes 0,
+// 1, odd, and larger than a chunk; mismatch and timeout errors; more ranks
+// than cores.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "test_helpers.h"
+
+namespace dsp {
+namespace {
+
+using testing::messageOf;
+using testing::runRanks;
+
+// 0, 1, odd, one-shot limit, several chunks (chunk = 4096 bytes).
+const std::vector<size_t> kCounts = {0, 1, 13, 511, 1025, 5000};
+const std::vector<int> kWorlds = {1, 2, 3, 4};  // 4 > the 2 cores of CI
+
+CallInfo info(Collective kind, DType dt = DType::kInt32,
+              ReduceOp op = ReduceOp::kSum, int root = -1,
+              std::vector<int64_t> shape = {}) {
+  CallInfo i;
+  i.kind = kind;
+  i.dtype = dt;
+  i.op = op;
+  i.root = root;
+  i.shape = std::move(shape);
+  return i;
+}
+
+void expectNoErrors(const std::vector<std::exception_ptr>& errs) {
+  for (size_t r = 0; r < errs.size(); ++r) {
+    EXPECT_FALSE(errs[r]) << "rank " << r << ": " << messageOf(errs[r]);
+  }
+}
+
+TEST(ShmComm, AllReduceClosedForms) {
+  for (int n : kWorlds) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      for (size_t count : kCounts) {
+        std::vector<int32_t> v(count);
+        for (size_t i = 0; i < count; ++i) v[i] = c.rank() + static_cast<int>(i % 5);
+        c.allReduce(v.data(), v.data(), count, info(Collective::kAllReduce));
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(v[i], n * (n - 1) / 2 + n * static_cast<int>(i % 5))
+              << "n=" << n << " count=" << count << " i=" << i;
+        }
+        std::vector<float> f(count, static_cast<float>(c.rank()));
+        std::vector<float> out(count, -1.f);
+        c.allReduce(f.data(), out.data(), count,
+                    info(Collective::kAllReduce, DType::kFloat32, ReduceOp::kMax));
+        for (float x : out) ASSERT_EQ(x, static_cast<float>(n - 1));
+        c.allReduce(f.data(), out.data(), count,
+                    info(Collective::kAllReduce, DType::kFloat32, ReduceOp::kAvg));
+        for (float x : out) ASSERT_EQ(x, (n - 1) / 2.0f);
+      }
+    }));
+  }
+}
+
+TEST(ShmComm, BroadcastReduceGatherScatter) {
+  for (int n : kWorlds) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      for (size_t count : kCounts) {
+        const int root = n - 1;
+        std::vector<int32_t> b(count, c.rank() == root ? 42 : -1);
+        c.broadcast(b.data(), count * 4, info(Collective::kBroadcast, DType::kInt32,
+                                              ReduceOp::kSum, root));
+        for (int32_t x : b) ASSERT_EQ(x, 42);
+
+        std::vector<int64_t> in(count, c.rank() + 1), out(count, 0);
+        c.reduce(in.data(), out.data(), count,
+                 info(Collective::kReduce, DType::kInt64, ReduceOp::kProduct, 0));
+        if (c.rank() == 0) {
+          int64_t fact = 1;
+          for (int r = 1; r <= n; ++r) fact *= r;
+          for (int64_t x : out) ASSERT_EQ(x, fact);
+        }
+
+        std::vector<int32_t> mine(count, c.rank());
+        std::vector<std::vector<int32_t>> all(n, std::vector<int32_t>(count, -1));
+        std::vector<void*> outs;
+        for (auto& a : all) outs.push_back(a.data());
+        c.allGather(mine.data(), count * 4, outs.data(), info(Collective::kAllGather));
+        for (int r = 0; r < n; ++r)
+          for (int32_t x : all[r]) ASSERT_EQ(x, r);
+
+        for (auto& a : all) std::fill(a.begin(), a.end(), -1);
+        c.gather(mine.data(), count * 4, outs.data(),
+                 info(Collective::kGather, DType::kInt32, ReduceOp::kSum, 0));
+        if (c.rank() == 0) {
+          for (int r = 0; r < n; ++r)
+            for (int32_t x : all[r]) ASSERT_EQ(x, r);
+        }
+
+        std::vector<std::vector<int32_t>> pieces(n, std::vector<int32_t>(count));
+        std::vector<const void*> ins;
+        for (int r = 0; r < n; ++r) {
+          std::fill(pieces[r].begin(), pieces[r].end(), 100 + r);
+          ins.push_back(pieces[r].data());
+        }
+        std::vector<int32_t> got(count, -1);
+        c.scatter(ins.data(), got.data(), count * 4,
+                  info(Collective::kScatter, DType::kInt32, ReduceOp::kSum, 0));
+        for (int32_t x : got) ASSERT_EQ(x, 100 + c.rank());
+      }
+    }));
+  }
+}
+
+TEST(ShmComm, ReduceScatterAndAllToAll) {
+  for (int n : kWorlds) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      for (size_t count : kCounts) {
+        // block j of rank r holds r + j: rank j receives sum_r (r + j).
+        std::vector<std::vector<int32_t>> blocks(n, std::vector<int32_t>(count));
+        std::vector<const void*> ins;
+        for (int j = 0; j < n; ++j) {
+          std::fill(blocks[j].begin(), blocks[j].end(), c.rank() + j);
+          ins.push_back(blocks[j].data());
+        }
+        std::vector<int32_t> out(count, -1);
+        c.reduceScatter(ins.data(), out.data(), count, info(Collective::kReduceScatter));
+        for (int32_t x : out) ASSERT_EQ(x, n * (n - 1) / 2 + n * c.rank());
+
+        // Uneven all-to-all: rank i sends (count + i + j) bytes of value
+        // i*16+j to rank j.
+        std::vector<std::vector<uint8_t>> send(n), recv(n);
+        std::vector<size_t> sb(n), rb(n);
+        std::vector<const void*> sp(n);
+        std::vector<void*> rp(n);
+        for (int j = 0; j < n; ++j) {
+          sb[j] = count + c.rank() + j;
+          send[j].assign(sb[j], static_cast<uint8_t>(c.rank() * 16 + j));
+          sp[j] = send[j].data();
+          rb[j] = count + j + c.rank();
+          recv[j].assign(rb[j], 0xff);
+          rp[j] = recv[j].data();
+        }
+        c.allToAll(sp.data(), sb.data(), rp.data(), rb.data(),
+                   info(Collective::kAllToAll, DType::kUInt8));
+        for (int j = 0; j < n; ++j)
+          for (uint8_t x : recv[j]) ASSERT_EQ(x, static_cast<uint8_t>(j * 16 + c.rank()));
+      }
+      c.barrier();
+    }));
+  }
+}
+
+TEST(ShmComm, MismatchRaisesSameErrorEverywhereAndGroupSurvives) {
+  std::vector<std::string> msgs(3);
+  auto errs = runRanks(3, [&](ShmComm& c) {
+    std::vector<float> v(16, 1.f);
+    const int64_t len = c.rank() == 1 ? 12 : 16;
+    try {
+      c.allReduce(v.data(), v.data(), len,
+                  info(Collective::kAllReduce, DType::kFloat32, ReduceOp::kSum, -1,
+                       {len}));
+      ADD_FAILURE() << "no error on rank " << c.rank();
+    } catch (const MismatchError& e) {
+      msgs[c.rank()] = e.what();
+    }
+    // Still usable, in step on every rank.
+    c.allReduce(v.data(), v.data(), 16, info(Collective::kAllReduce, DType::kFloat32));
+    for (float x : v) ASSERT_EQ(x, 3.f);
+  });
+  expectNoErrors(errs);
+  EXPECT_EQ(msgs[0], msgs[1]);
+  EXPECT_EQ(msgs[0], msgs[2]);
+  EXPECT_NE(msgs[0].find("all_reduce #1"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[0].find("rank 1: all_reduce #1 float32[12]"), std::string::npos)
+      << msgs[0];
+}
+
+TEST(ShmComm, DifferentCollectivesOrRootsAreNamed) {
+  std::vector<std::string> msgs(2);
+  expectNoErrors(runRanks(2, [&](ShmComm& c) {
+    int32_t x = 1;
+    try {
+      if (c.rank() == 0) {
+        c.broadcast(&x, 4, info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 0));
+      } else {
+        c.broadcast(&x, 4, info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 1));
+      }
+    } catch (const MismatchError& e) {
+      msgs[c.rank()] = e.what();
+    }
+  }));
+  EXPECT_EQ(msgs[0], msgs[1]);
+  EXPECT_NE(msgs[0].find("root 0"), std::string::npos);
+  EXPECT_NE(msgs[0].find("root 1"), std::string::npos);
+}
+
+TEST(ShmComm, LatePeerTimesOutNamingIt) {
+  auto opts = testing::smallOptions();
+  opts.timeout = std::chrono::milliseconds(300);
+  std::atomic<bool> released{false};
+  std::vector<std::string> msgs(3);
+  auto errs = runRanks(
+      3,
+      [&](ShmComm& c) {
+        if (c.rank() == 2) {
+          while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          return;  // never calls the all-reduce
+        }
+        float v = 1.f;
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          c.allReduce(&v, &v, 1, info(Collective::kAllReduce, DType::kFloat32));
+        } catch (const PeerError& e) {
+          msgs[c.rank()] = e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+        // Broken from now on, with a message that says why.
+        EXPECT_THROW(c.barrier(), PeerError);
+        released = true;
+      },
+      opts);
+  expectNoErrors(errs);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(msgs[r].find("all_reduce #1"), std::string::npos) << msgs[r];
+    EXPECT_NE(msgs[r].find("[2]"), std::string::npos) << msgs[r];
+  }
+}
+
+// A peer process that dies mid-job: the survivor raises promptly (it polls
+// the peer's liveness while asleep) instead of waiting out the timeout.
+TEST(ShmComm, DeadPeerProcessIsDetected) {
+  const std::string name = Segment::randomName();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ShmComm c(name, 1, 2, testing::smallOptions());
+    c.barrier();
+    _exit(0);  // dies without joining the all-reduce
+  }
+  auto opts = testing::smallOptions();
+  opts.timeout = std::chrono::seconds(30);
+  ShmComm c(name, 0, 2, opts);
+  c.barrier();
+  // Reap the child so it is gone, not a zombie (either is detected).
+  int status = 0;
+  waitpid(child, &status, 0);
+  float v = 1.f;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    c.allReduce(&v, &v, 1, info(Collective::kAllReduce, DType::kFloat32));
+    FAIL() << "no error";
+  } catch (const PeerError& e) {
+    EXPECT_NE(std::string(e.what()).find("has exited"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+TEST(ShmComm, SegmentNameIsGoneOnceEveryoneAttached) {
+  const std::string name = Segment::randomName();
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      ShmComm c(name, r, 2, testing::smallOptions());
+      EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0);
+      c.barrier();
+    });
+  }
+  for (auto& t : ts) t.join();
+}
+
+TEST(ShmComm, ManyMoreRanksThanCores) {
+  // 8 ranks on 2 cores: spin-then-sleep must keep this quick.
+  const int n = 8;
+  expectNoErrors(runRanks(n, [n](ShmComm& c) {
+    for (int it = 0; it < 200; ++it) {
+      int64_t v = c.rank();
+      c.allReduce(&v, &v, 1, info(Collective::kAllReduce, DType::kInt64));
+      ASSERT_EQ(v, n * (n - 1) / 2);
+    }
+  }));
+}
+
+}  // namespace
+}  // namespace dsp
