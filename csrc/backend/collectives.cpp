@@ -1,0 +1,416 @@
+// The c10d collectives of ProcessGroupDSP. Each one validates its tensors in
+// the caller's thread (errors raise before anything is queued), then queues a
+// closure that stages the tensors contiguously, calls the core, and copies
+// results back.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "process_group_dsp.h"
+#include "tensor_adapt.h"
+
+namespace dsparallel {
+namespace {
+
+using dsp::Collective;
+
+const at::Tensor& single(const std::vector<at::Tensor>& ts, const char* what) {
+  TORCH_CHECK(ts.size() == 1, "dsp ", what, ": expects exactly one tensor per "
+              "rank, got ", ts.size());
+  return ts[0];
+}
+
+void checkRoot(int64_t root, int size, const char* what) {
+  TORCH_CHECK(root >= 0 && root < size, "dsp ", what, ": root rank ", root,
+              " is not in the group of size ", size);
+}
+
+void checkListSize(size_t got, int size, const char* what, const char* which) {
+  TORCH_CHECK(got == static_cast<size_t>(size), "dsp ", what, ": ", which,
+              " must hold one tensor per rank (", size, "), got ", got);
+}
+
+std::vector<void*> pointers(std::vector<Staged>& staged) {
+  std::vector<void*> out;
+  for (auto& s : staged) out.push_back(s.ptr());
+  return out;
+}
+
+// Splits (in rows of dim 0) to byte counts and byte offsets for all_to_all;
+// empty splits mean equal parts.
+void splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits,
+                int size, const char* which, std::vector<size_t>& bytes,
+                std::vector<size_t>& offsets) {
+  const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+  const size_t rowBytes = rows ? t.nbytes() / rows : 0;
+  bytes.assign(size, 0);
+  offsets.assign(size, 0);
+  if (splits.empty()) {
+    TORCH_CHECK(rows % size == 0, "dsp all_to_all: ", which, " has ", rows,
+                " rows along dim 0, not divisible by the group size ", size,
+                " (pass split sizes)");
+  } else {
+    checkListSize(splits.size(), size, "all_to_all", which);
+  }
+  int64_t total = 0;
+  for (int r = 0; r < size; ++r) {
+    const int64_t n = splits.empty() ? rows / size : splits[r];
+    TORCH_CHECK(n >= 0, "dsp all_to_all: negative split size ", n);
+    offsets[r] = static_cast<size_t>(total) * rowBytes;
+    bytes[r] = static_cast<size_t>(n) * rowBytes;
+    total += n;
+  }
+  TORCH_CHECK(total == rows, "dsp all_to_all: ", which, " split sizes sum to ",
+              total, " but the tensor has ", rows, " rows");
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = single(tensors, "all_reduce");
+  const auto dt = checkedDType(t, "all_reduce");
+  auto info = callInfo(Collective::kAllReduce, t,
+                       checkedReduceOp(opts.reduceOp, dt, "all_reduce"));
+  return enqueue(c10d::OpType::ALLREDUCE, nullptr, tensors, [this, t, info] {
+    Staged s(t);
+    comm_->allReduce(s.ptr(), s.ptr(), s.count(), info);
+    s.copyBack();
+  });
+}
+
+// One all-reduce over the flattened tensors: one synchronisation for the lot
+// instead of one per tensor.
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "dsp all_reduce_coalesced: no tensors given");
+  for (const auto& t : tensors) {
+    checkedDType(t, "all_reduce_coalesced");
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(),
+                "dsp all_reduce_coalesced: all tensors must share one dtype, "
+                "got ", tensors[0].scalar_type(), " and ", t.scalar_type());
+  }
+  const auto dt = checkedDType(tensors[0], "all_reduce_coalesced");
+  auto info = callInfo(Collective::kAllReduce, tensors[0],
+                       checkedReduceOp(opts.reduceOp, dt, "all_reduce_coalesced"));
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  info.shape = {total};
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
+                 [this, tensors, info] {
+                   std::vector<at::Tensor> flat;
+                   for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+                   at::Tensor buf = at::cat(flat);
+                   comm_->allReduce(buf.data_ptr(), buf.data_ptr(),
+                                    buf.numel(), info);
+                   int64_t off = 0;
+                   for (const auto& t : tensors) {
+                     t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
+                     off += t.numel();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
+    std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single(tensors, "broadcast");
+  checkRoot(opts.rootRank, getSize(), "broadcast");
+  auto info = callInfo(Collective::kBroadcast, t, dsp::ReduceOp::kSum,
+                       static_cast<int>(opts.rootRank));
+  return enqueue(c10d::OpType::BROADCAST, nullptr, tensors, [this, t, info] {
+    Staged s(t);
+    comm_->broadcast(s.ptr(), s.bytes(), info);
+    s.copyBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(
+    std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = single(tensors, "reduce");
+  checkRoot(opts.rootRank, getSize(), "reduce");
+  const auto dt = checkedDType(t, "reduce");
+  auto info = callInfo(Collective::kReduce, t,
+                       checkedReduceOp(opts.reduceOp, dt, "reduce"),
+                       static_cast<int>(opts.rootRank));
+  return enqueue(c10d::OpType::REDUCE, nullptr, tensors, [this, t, info] {
+    Staged s(t);
+    comm_->reduce(s.ptr(), s.ptr(), s.count(), info);
+    if (getRank() == info.root) s.copyBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& /*opts*/) {
+  const at::Tensor& in = single(inputs, "all_gather");
+  TORCH_CHECK(outputs.size() == 1, "dsp all_gather: expects one output list");
+  checkListSize(outputs[0].size(), getSize(), "all_gather", "the output list");
+  checkSameAs(outputs[0], in, "all_gather");
+  auto info = callInfo(Collective::kAllGather, in);
+  auto outs = outputs[0];
+  return enqueue(c10d::OpType::ALLGATHER, nullptr, outs, [this, in, outs, info] {
+    Staged src(in);
+    auto staged = stageAll(outs);
+    auto ptrs = pointers(staged);
+    comm_->allGather(src.ptr(), src.bytes(), ptrs.data(), info);
+    for (auto& s : staged) s.copyBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& /*opts*/) {
+  checkedDType(output, "all_gather_into_tensor");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type() &&
+                  output.numel() == input.numel() * getSize(),
+              "dsp all_gather_into_tensor: output must be ", input.scalar_type(),
+              " with ", input.numel() * getSize(), " elements (group size ",
+              getSize(), " x input ", input.sizes(), "), got ",
+              output.scalar_type(), " ", output.sizes());
+  auto info = callInfo(Collective::kAllGather, input);
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
+                 [this, input, output, info] {
+                   Staged src(input);
+                   Staged dst(output);
+                   std::vector<void*> ptrs;
+                   for (int r = 0; r < getSize(); ++r) {
+                     ptrs.push_back(static_cast<char*>(dst.ptr()) + r * src.bytes());
+                   }
+                   comm_->allGather(src.ptr(), src.bytes(), ptrs.data(), info);
+                   dst.copyBack();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(),
+              "dsp all_gather_coalesced: ", outputs.size(), " output lists for ",
+              inputs.size(), " inputs");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<std::vector<at::Tensor>> o = {outputs[i]};
+    std::vector<at::Tensor> in = {inputs[i]};
+    last = allgather(o, in, opts);
+  }
+  // Works run in order, so the last one completing means all have.
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
+              "dsp all_gather_into_tensor_coalesced: ", outputs.size(),
+              " outputs for ", inputs.size(), " inputs");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    last = _allgather_base(outputs[i], inputs[i], opts);
+  }
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  const at::Tensor& in = single(inputs, "gather");
+  checkRoot(opts.rootRank, getSize(), "gather");
+  const bool root = getRank() == opts.rootRank;
+  std::vector<at::Tensor> outs;
+  if (root) {
+    TORCH_CHECK(outputs.size() == 1, "dsp gather: root expects one output list");
+    checkListSize(outputs[0].size(), getSize(), "gather", "the output list");
+    checkSameAs(outputs[0], in, "gather");
+    outs = outputs[0];
+  } else {
+    TORCH_CHECK(outputs.empty() || outputs[0].empty(),
+                "dsp gather: only the root rank ", opts.rootRank,
+                " passes a gather list");
+  }
+  auto info = callInfo(Collective::kGather, in, dsp::ReduceOp::kSum,
+                       static_cast<int>(opts.rootRank));
+  return enqueue(c10d::OpType::GATHER, nullptr, outs, [this, in, outs, info] {
+    Staged src(in);
+    auto staged = stageAll(outs);
+    auto ptrs = pointers(staged);
+    comm_->gather(src.ptr(), src.bytes(), ptrs.data(), info);
+    for (auto& s : staged) s.copyBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const at::Tensor& out = single(outputs, "scatter");
+  checkRoot(opts.rootRank, getSize(), "scatter");
+  const bool root = getRank() == opts.rootRank;
+  std::vector<at::Tensor> ins;
+  if (root) {
+    TORCH_CHECK(inputs.size() == 1, "dsp scatter: root expects one input list");
+    checkListSize(inputs[0].size(), getSize(), "scatter", "the scatter list");
+    checkSameAs(inputs[0], out, "scatter");
+    ins = inputs[0];
+  } else {
+    TORCH_CHECK(inputs.empty() || inputs[0].empty(),
+                "dsp scatter: only the root rank ", opts.rootRank,
+                " passes a scatter list");
+  }
+  auto info = callInfo(Collective::kScatter, out, dsp::ReduceOp::kSum,
+                       static_cast<int>(opts.rootRank));
+  return enqueue(c10d::OpType::SCATTER, nullptr, outputs, [this, out, ins, info] {
+    auto staged = stageAll(ins);
+    std::vector<const void*> ptrs;
+    for (auto& s : staged) ptrs.push_back(s.ptr());
+    Staged dst(out);
+    comm_->scatter(ptrs.data(), dst.ptr(), dst.bytes(), info);
+    dst.copyBack();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& out = single(outputs, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1, "dsp reduce_scatter: expects one input list");
+  checkListSize(inputs[0].size(), getSize(), "reduce_scatter", "the input list");
+  checkSameAs(inputs[0], out, "reduce_scatter");
+  const auto dt = checkedDType(out, "reduce_scatter");
+  auto info = callInfo(Collective::kReduceScatter, out,
+                       checkedReduceOp(opts.reduceOp, dt, "reduce_scatter"));
+  auto ins = inputs[0];
+  return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs,
+                 [this, out, ins, info] {
+                   auto staged = stageAll(ins);
+                   std::vector<const void*> ptrs;
+                   for (auto& s : staged) ptrs.push_back(s.ptr());
+                   Staged dst(out);
+                   comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
+                   dst.copyBack();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const auto dt = checkedDType(output, "reduce_scatter_tensor");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() &&
+                  input.numel() == output.numel() * getSize(),
+              "dsp reduce_scatter_tensor: input must be ", output.scalar_type(),
+              " with ", output.numel() * getSize(), " elements (group size ",
+              getSize(), " x output ", output.sizes(), "), got ",
+              input.scalar_type(), " ", input.sizes());
+  auto info = callInfo(Collective::kReduceScatter, output,
+                       checkedReduceOp(opts.reduceOp, dt, "reduce_scatter_tensor"));
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
+                 [this, input, output, info] {
+                   Staged src(input);
+                   Staged dst(output);
+                   std::vector<const void*> ptrs;
+                   for (int r = 0; r < getSize(); ++r) {
+                     ptrs.push_back(static_cast<const char*>(src.ptr()) + r * dst.bytes());
+                   }
+                   comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
+                   dst.copyBack();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
+              "dsp reduce_scatter_tensor_coalesced: ", outputs.size(),
+              " outputs for ", inputs.size(), " inputs");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+  }
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& /*opts*/) {
+  const auto dt = checkedDType(input, "all_to_all");
+  checkedDType(output, "all_to_all");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(),
+              "dsp all_to_all: input is ", input.scalar_type(), " but output is ",
+              output.scalar_type());
+  std::vector<size_t> sb, so, rb, ro;
+  splitBytes(input, input_split_sizes, getSize(), "input", sb, so);
+  splitBytes(output, output_split_sizes, getSize(), "output", rb, ro);
+  dsp::CallInfo info;
+  info.kind = Collective::kAllToAll;
+  info.dtype = dt;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, nullptr, {output},
+                 [this, input, output, sb, so, rb, ro, info] {
+                   Staged src(input);
+                   Staged dst(output);
+                   std::vector<const void*> ins;
+                   std::vector<void*> outs;
+                   for (int r = 0; r < getSize(); ++r) {
+                     ins.push_back(static_cast<const char*>(src.ptr()) + so[r]);
+                     outs.push_back(static_cast<char*>(dst.ptr()) + ro[r]);
+                   }
+                   comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
+                   dst.copyBack();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& /*opts*/) {
+  checkListSize(inputs.size(), getSize(), "all_to_all", "the input list");
+  checkListSize(outputs.size(), getSize(), "all_to_all", "the output list");
+  TORCH_CHECK(!inputs.empty());
+  dsp::CallInfo info;
+  info.kind = Collective::kAllToAll;
+  info.dtype = checkedDType(inputs[0], "all_to_all");
+  for (const auto& t : inputs) {
+    TORCH_CHECK(checkedDType(t, "all_to_all") == info.dtype,
+                "dsp all_to_all: all tensors must share one dtype");
+  }
+  for (const auto& t : outputs) {
+    TORCH_CHECK(checkedDType(t, "all_to_all") == info.dtype,
+                "dsp all_to_all: all tensors must share one dtype");
+  }
+  return enqueue(c10d::OpType::ALLTOALL, nullptr, outputs,
+                 [this, inputs, outputs, info] {
+                   auto src = stageAll(inputs);
+                   auto dst = stageAll(outputs);
+                   std::vector<const void*> ins;
+                   std::vector<size_t> sb, rb;
+                   for (auto& s : src) {
+                     ins.push_back(s.ptr());
+                     sb.push_back(s.bytes());
+                   }
+                   for (auto& d : dst) rb.push_back(d.bytes());
+                   auto outs = pointers(dst);
+                   comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
+                   for (auto& d : dst) d.copyBack();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
+    const c10d::BarrierOptions& /*opts*/) {
+  return enqueue(c10d::OpType::BARRIER, nullptr, {}, [this] { comm_->barrier(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(
+    std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  TORCH_CHECK(p2p_, "dsp send: this group has no point-to-point transport");
+  return p2p_->send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(
+    std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
+  return p2p_->recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recvAnysource(
+    std::vector<at::Tensor>& tensors, int tag) {
+  TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
+  return p2p_->recvAnysource(tensors, tag);
+}
+
+}  // namespace dsparallel

@@ -1,0 +1,157 @@
+// ProcessGroupDSP construction, the work queue and WorkDSP. The collectives
+// themselves are in collectives.cpp.
+#include "process_group_dsp.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+
+namespace dsparallel {
+namespace {
+
+constexpr const char* kSegmentKey = "dsp/shm_segment";
+
+size_t envBytes(const char* name, size_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const unsigned long long x = std::strtoull(v, &end, 10);
+  TORCH_CHECK(end != v && *end == '\0' && x > 0, "dsp: ", name,
+              " must be a positive number of bytes, got '", v, "'");
+  return static_cast<size_t>(x);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// WorkDSP
+
+WorkDSP::WorkDSP(ProcessGroupDSP* pg, c10d::OpType type,
+                 const char* profiling_title, std::vector<at::Tensor> outputs,
+                 std::function<void()> run)
+    : c10d::Work(pg->getRank(), type, profiling_title),
+      pg_(pg),
+      outputs_(std::move(outputs)),
+      run_(std::move(run)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+std::exception_ptr WorkDSP::run() {
+  try {
+    run_();
+  } catch (...) {
+    run_ = nullptr;  // drop captured tensors as early as possible
+    return std::current_exception();
+  }
+  run_ = nullptr;
+  return nullptr;
+}
+
+void WorkDSP::complete(std::exception_ptr error) {
+  finish(error);
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+bool WorkDSP::wait(std::chrono::milliseconds /*timeout*/) {
+  // Every collective already has the group's deadline; a per-call timeout
+  // would only be able to abandon a collective halfway, which leaves the
+  // peers out of step.
+  if (!isCompleted()) pg_->runUntil(this);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// ProcessGroupDSP: set-up and the queue
+
+ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store,
+                                 int rank, int size,
+                                 std::chrono::milliseconds timeout,
+                                 c10::intrusive_ptr<c10d::Backend> p2p)
+    : c10d::Backend(rank, size), p2p_(std::move(p2p)) {
+  dsp::ShmOptions options;
+  options.chunk_bytes = envBytes("DSP_CHUNK_BYTES", options.chunk_bytes);
+  options.one_shot_max_bytes = envBytes("DSP_ONE_SHOT_BYTES", options.one_shot_max_bytes);
+  options.timeout = timeout;
+  // The store handed to a backend is already prefixed per group, so each
+  // group (and each job, with its own store) gets its own segment.
+  if (rank == 0) {
+    segment_name_ = dsp::Segment::randomName();
+    store->set(kSegmentKey, std::vector<uint8_t>(segment_name_.begin(), segment_name_.end()));
+  } else {
+    const auto bytes = store->get(kSegmentKey);
+    segment_name_.assign(bytes.begin(), bytes.end());
+  }
+  comm_ = std::make_unique<dsp::ShmComm>(segment_name_, rank, size, options);
+  worker_ = std::thread([this] { workerLoop(); });
+}
+
+ProcessGroupDSP::~ProcessGroupDSP() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void ProcessGroupDSP::setTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  comm_->setTimeout(timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(
+    c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+    std::function<void()> run) {
+  auto work = c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs),
+                                           std::move(run));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stop_, "dsp: process group is shutting down");
+    queue_.push_back(work);
+  }
+  cv_.notify_all();
+  return work;
+}
+
+bool ProcessGroupDSP::runOne(std::unique_lock<std::mutex>& lock) {
+  if (running_ || queue_.empty()) return false;
+  auto work = std::move(queue_.front());
+  queue_.pop_front();
+  running_ = true;
+  lock.unlock();
+  const std::exception_ptr error = work->run();
+  lock.lock();
+  running_ = false;
+  lock.unlock();
+  // Completed with no lock held and the queue free: a future callback (a
+  // DDP comm hook) may issue and wait on further collectives.
+  work->complete(error);
+  lock.lock();
+  cv_.notify_all();
+  return true;
+}
+
+void ProcessGroupDSP::runUntil(WorkDSP* work) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!work->isCompleted()) {
+    if (!runOne(lock)) cv_.wait(lock);
+  }
+}
+
+void ProcessGroupDSP::workerLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    if (runOne(lock)) continue;
+    if (stop_ && queue_.empty() && !running_) return;
+    cv_.wait(lock);
+  }
+}
+
+}  // namespace dsparallel

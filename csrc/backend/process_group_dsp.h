@@ -1,0 +1,152 @@
+// ProcessGroupDSP: the c10d::Backend behind torch.distributed's "dsp".
+//
+// Ordering contract (as in torch's ProcessGroupGloo): collectives run in the
+// order they were issued, one at a time, on this group's shared-memory comm.
+// Validation (device, dtype, op) happens in the caller's thread, before a
+// collective is queued, so bad input raises at the call and never reaches
+// the peers. Work runs on the group's worker thread; a thread that waits on a
+// Work helps by running the queued collectives itself, in order, so a
+// blocking call issued while nothing is queued runs on the caller's thread
+// without the hand-off.
+//
+// Point-to-point send/recv go through an internal gloo backend that the
+// Python creator builds beside this one: gloo already does tagged pairwise
+// transfers well.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/shm/comm.h"
+
+namespace dsparallel {
+
+class ProcessGroupDSP;
+
+class WorkDSP : public c10d::Work {
+ public:
+  WorkDSP(ProcessGroupDSP* pg, c10d::OpType type, const char* profiling_title,
+          std::vector<at::Tensor> outputs, std::function<void()> run);
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  // Runs the collective; returns its error, if any.
+  std::exception_ptr run();
+  // Marks the work and its future done (with `error`, if any).
+  void complete(std::exception_ptr error);
+
+ private:
+  ProcessGroupDSP* pg_;
+  std::vector<at::Tensor> outputs_;
+  std::function<void()> run_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class ProcessGroupDSP : public c10d::Backend {
+ public:
+  ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                  int size, std::chrono::milliseconds timeout,
+                  c10::intrusive_ptr<c10d::Backend> p2p);
+  ~ProcessGroupDSP() override;
+
+  const std::string getBackendName() const override { return "dsp"; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return comm_->sequenceNumber(); }
+  bool supportsCoalescing() const override { return false; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output, at::Tensor& input,
+      std::vector<int64_t>& output_split_sizes,
+      std::vector<int64_t>& input_split_sizes,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors,
+                                      int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors,
+                                      int src_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+
+  // Runs queued work on the calling thread until `work` is complete (the
+  // caller-runs fast path and the worker loop share this).
+  void runUntil(WorkDSP* work);
+
+  // The shared-memory segment name (tests check it is gone from /dev/shm).
+  const std::string& segmentName() const { return segment_name_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
+                                         std::vector<at::Tensor> outputs,
+                                         std::function<void()> run);
+  void workerLoop();
+  // Pops and runs the next queued work if no other thread is running one.
+  // Called and returns with `lock` held.
+  bool runOne(std::unique_lock<std::mutex>& lock);
+
+  std::unique_ptr<dsp::ShmComm> comm_;
+  std::string segment_name_;
+  c10::intrusive_ptr<c10d::Backend> p2p_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;  // queue changed, or a work finished
+  std::deque<c10::intrusive_ptr<WorkDSP>> queue_;
+  bool running_ = false;  // some thread is executing a collective
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace dsparallel

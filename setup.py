@@ -1,0 +1,54 @@
+"""Builds dsparallel and its one extension module, dsparallel._C.
+
+Install over an existing torch without build isolation (build isolation would
+fetch a second torch):  pip install --no-build-isolation .
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources():
+    patterns = ["csrc/core/**/*.cpp", "csrc/backend/*.cpp", "csrc/bindings.cpp"]
+    found = []
+    for p in patterns:
+        found += sorted(glob.glob(os.path.join(ROOT, p), recursive=True))
+    return [os.path.relpath(f, ROOT) for f in found]
+
+
+def with_cuda():
+    import torch
+
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+define_macros = []
+if with_cuda():
+    # The CUDA/NCCL path is compiled in only when torch has CUDA and nvcc is
+    # found; the CPU-only build is the default elsewhere.
+    define_macros.append(("DSP_WITH_CUDA", "1"))
+
+ext = CppExtension(
+    name="dsparallel._C",
+    sources=sources(),
+    include_dirs=[os.path.join(ROOT, "csrc")],
+    define_macros=define_macros,
+    extra_compile_args={"cxx": ["-O3", "-std=c++17", "-fvisibility=hidden"]},
+    libraries=["rt"],
+)
+
+setup(
+    name="dsparallel",
+    version="0.1.0",
+    description="Data, tensor and pipeline parallel training for PyTorch",
+    packages=find_packages(include=["dsparallel", "dsparallel.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+)
