@@ -1,0 +1,104 @@
+"""Runs a test body in real processes, one per rank, and reports every rank.
+
+Each test calls ``run_ranks(fn, world_size, ...)``: the ranks are started from
+a forkserver that has already imported torch (cheap starts), join a fresh
+TCPStore on a free port, run ``fn(rank, world_size, *args)`` and send back its
+return value or traceback. A rank that hangs past ``timeout`` fails the test
+(all ranks are killed) instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "dsparallel"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, backend, pg_timeout_s, init, args, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import dsparallel  # noqa: F401  (registers "dsp")
+
+        torch.set_num_threads(1)
+        if init:
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
+            )
+        value = fn(rank, world, *args)
+        if init and dist.is_initialized():
+            dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001  (report everything to the parent)
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(fn, world_size, *args, backend="dsp", timeout=120, pg_timeout_s=60,
+              init=True, allow_exit=()):
+    """Runs fn on world_size ranks; returns the list of per-rank return values.
+
+    Raises RankFailure with every failing rank's traceback. Ranks listed in
+    ``allow_exit`` may die without reporting (the killed-peer tests).
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry,
+                    args=(fn, r, world_size, port, backend, pg_timeout_s, init, args, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got = {}
+    expected = world_size - len(allow_exit)
+    try:
+        while len(got) < expected:
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(got) - set(allow_exit))
+                raise RankFailure(f"ranks {missing} did not finish within {timeout}s (hang?)")
+            got[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(got.items()) if s != "ok"]
+    if errors:
+        raise RankFailure("\n".join(errors))
+    return [got[r][1] if r in got else None for r in range(world_size)]
