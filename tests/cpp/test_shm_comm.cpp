@@ -2,6 +2,7 @@
 // 1, odd, and larger than a chunk; mismatch and timeout errors; more ranks
 // than cores.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -173,7 +174,7 @@ TEST(ShmComm, MismatchRaisesSameErrorEverywhereAndGroupSurvives) {
   expectNoErrors(errs);
   EXPECT_EQ(msgs[0], msgs[1]);
   EXPECT_EQ(msgs[0], msgs[2]);
-  EXPECT_NE(msgs[0].find("all_reduce #1"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[0].find("collective #1"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[0].find("rank 1: all_reduce #1 float32[12]"), std::string::npos)
       << msgs[0];
 }
@@ -281,6 +282,27 @@ TEST(ShmComm, ManyMoreRanksThanCores) {
       ASSERT_EQ(v, n * (n - 1) / 2);
     }
   }));
+}
+
+}  // namespace
+}  // namespace dsp
+
+namespace dsp {
+namespace {
+
+TEST(Segment, CreatedOwnerOnlyAndExclusive) {
+  const std::string name = Segment::randomName();
+  EXPECT_EQ(name.size(), std::string("/dsp-").size() + 32);
+  EXPECT_NE(name, Segment::randomName());
+  const mode_t old = umask(0);  // a permissive umask must not widen the mode
+  Segment seg = Segment::create(name, 4096);
+  umask(old);
+  struct stat st {};
+  ASSERT_EQ(stat(("/dev/shm" + name).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_THROW(Segment::create(name, 4096), std::runtime_error);  // O_EXCL
+  seg.unlink();
+  EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0);
 }
 
 }  // namespace

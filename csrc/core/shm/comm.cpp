@@ -289,8 +289,8 @@ void ShmComm::checkDescriptors(uint32_t step, bool compare_counts) const {
   // Every rank reads the same descriptors, so every rank raises this same
   // message.
   std::ostringstream msg;
-  msg << "dsp: ranks called mismatched collectives at " << collectiveName(current_)
-      << " #" << seq_ << " (every rank must call the same collective with the "
+  msg << "dsp: ranks called mismatched collectives at collective #" << seq_
+      << " of this group (every rank must call the same collective with the "
       << "same dtype, shape, op and root):";
   for (int r = 0; r < size_; ++r) {
     msg << "\n  rank " << r << ": " << describe(control(r).desc[step & 1u]);

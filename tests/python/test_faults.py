@@ -1,0 +1,132 @@
+"""Bad input and faults: clear errors on every rank, never a hang, and
+nothing left in /dev/shm (the conftest fixture checks that after each test)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+
+def _expect_error(fn, *needles):
+    try:
+        fn()
+    except RuntimeError as e:
+        msg = str(e)
+        for needle in needles:
+            assert needle in msg, f"{needle!r} not in error: {msg}"
+        return msg
+    raise AssertionError("no error raised")
+
+
+def _mismatch_body(rank, n):
+    # different shapes: every rank raises the same message naming the
+    # collective, its sequence number and each rank's call
+    t = torch.ones(4 if rank == 0 else 5)
+    msgs = [_expect_error(lambda: dist.all_reduce(t), "all_reduce #", "rank 0:", "rank 1:",
+                          "float32[4]", "float32[5]")]
+    # same element count, different shape
+    t = torch.ones(2, 3) if rank == 0 else torch.ones(3, 2)
+    msgs.append(_expect_error(lambda: dist.all_reduce(t), "float32[2, 3]", "float32[3, 2]"))
+    # different dtypes
+    t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)
+    msgs.append(_expect_error(lambda: dist.all_reduce(t), "float32", "float64"))
+    # different ops
+    t = torch.ones(4)
+    op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+    msgs.append(_expect_error(lambda: dist.all_reduce(t, op=op), "op SUM", "op MAX"))
+    # different roots
+    msgs.append(_expect_error(lambda: dist.broadcast(t, src=rank % n), "root 0", "root 1"))
+    # different collectives
+    if rank == 0:
+        msgs.append(_expect_error(lambda: dist.all_reduce(t), "all_reduce", "broadcast"))
+    else:
+        msgs.append(_expect_error(lambda: dist.broadcast(t, src=0), "all_reduce", "broadcast"))
+    # the group is still usable, and in step
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), n * (n - 1) / 2))
+    return msgs
+
+
+def test_mismatched_calls_raise_same_error_on_every_rank():
+    per_rank = run_ranks(_mismatch_body, 2)
+    assert per_rank[0] == per_rank[1]
+
+
+def _bad_dtype_body(rank, n):
+    u = torch.ones(3, dtype=torch.uint32)
+    _expect_error(lambda: dist.all_reduce(u), "unsupported dtype", "UInt32")
+    f8 = torch.ones(3).to(torch.float8_e4m3fn)
+    _expect_error(lambda: dist.broadcast(f8, 0), "unsupported dtype", "Float8")
+    # complex SUM works: torch hands it over as its real view
+    c = torch.full((3,), 1 + 2j, dtype=torch.complex64)
+    dist.all_reduce(c)
+    assert torch.equal(c, torch.full((3,), n * (1 + 2j), dtype=torch.complex64))
+    i = torch.ones(3, dtype=torch.int32)
+    _expect_error(lambda: dist.all_reduce(i, op=dist.ReduceOp.AVG), "AVG", "int32")
+    _expect_error(lambda: dist.all_reduce(i, op=dist.ReduceOp.BAND), "unsupported reduce op")
+    # nothing was sent: the group is in step
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(n)))
+
+
+def test_unsupported_dtype_or_op_raises_before_sending():
+    run_ranks(_bad_dtype_body, 2)
+
+
+def _late_rank_body(rank, n):
+    if rank == n - 1:
+        time.sleep(6)  # never joins the all-reduce in time
+        return None
+    t0 = time.monotonic()
+    msg = _expect_error(lambda: dist.all_reduce(torch.ones(8)), "all_reduce #1",
+                        f"[{n - 1}]", "did not arrive", "timeout")
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, elapsed
+    # the group refuses further work, saying why
+    _expect_error(lambda: dist.all_reduce(torch.ones(1)), "unusable")
+    return msg
+
+
+def test_missing_rank_times_out_naming_it():
+    run_ranks(_late_rank_body, 3, pg_timeout_s=2, init=True)
+
+
+def _killed_rank_body(rank, n, size):
+    # one healthy round first, so every segment is attached and unlinked
+    t = torch.ones(size)
+    dist.all_reduce(t)
+    if rank == 1:
+        os._exit(17)  # dies without a word, mid-job
+    t0 = time.monotonic()
+    _expect_error(lambda: dist.all_reduce(torch.ones(size)), "all_reduce #2", "[1]",
+                  "has exited")
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("size", [8, 3_000_000])
+def test_killed_rank_is_reported(size):
+    run_ranks(_killed_rank_body, 2, size, pg_timeout_s=30, allow_exit=(1,))
+
+
+def _segments_body(rank, n):
+    # Segments are unlinked once every rank attached: ours are gone already,
+    # including those of sub-groups.
+    g = dist.new_group(backend="dsp")
+    dist.barrier(group=g)
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    name = pg.segment_name
+    assert name.startswith("/dsp-") and len(name) == len("/dsp-") + 32
+    assert not os.path.exists("/dev/shm" + name)
+    return name
+
+
+def test_segment_names_unique_and_unlinked():
+    first = run_ranks(_segments_body, 2)
+    second = run_ranks(_segments_body, 2)
+    assert first[0] == first[1]
+    assert first[0] != second[0]
