@@ -12,8 +12,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<dsparallel::ProcessGroupDSP, c10d::Backend,
              c10::intrusive_ptr<dsparallel::ProcessGroupDSP>>(m, "ProcessGroupDSP")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                       int size, std::chrono::milliseconds timeout,
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout,
                        c10::intrusive_ptr<c10d::Backend> p2p) {
              return c10::make_intrusive<dsparallel::ProcessGroupDSP>(
                  store, rank, size, timeout, std::move(p2p));
@@ -22,8 +22,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("p2p") = nullptr,
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("segment_name",
-                             &dsparallel::ProcessGroupDSP::segmentName);
+      .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName);
 
   m.def("tune_waiting", &dsp::tuneWaiting, py::arg("spins"), py::arg("yields"),
         "Spin and yield budgets of the shared-memory wait (negative: default).");

@@ -14,8 +14,10 @@ namespace {
 using dsp::Collective;
 
 const at::Tensor& single(const std::vector<at::Tensor>& ts, const char* what) {
-  TORCH_CHECK(ts.size() == 1, "dsp ", what, ": expects exactly one tensor per "
-              "rank, got ", ts.size());
+  TORCH_CHECK(ts.size() == 1, "dsp ", what,
+              ": expects exactly one tensor per "
+              "rank, got ",
+              ts.size());
   return ts[0];
 }
 
@@ -37,8 +39,8 @@ std::vector<void*> pointers(std::vector<Staged>& staged) {
 
 // Splits (in rows of dim 0) to byte counts and byte offsets for all_to_all;
 // empty splits mean equal parts.
-void splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits,
-                int size, const char* which, std::vector<size_t>& bytes,
+void splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
+                const char* which, std::vector<size_t>& bytes,
                 std::vector<size_t>& offsets) {
   const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
   const size_t rowBytes = rows ? t.nbytes() / rows : 0;
@@ -59,8 +61,8 @@ void splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits,
     bytes[r] = static_cast<size_t>(n) * rowBytes;
     total += n;
   }
-  TORCH_CHECK(total == rows, "dsp all_to_all: ", which, " split sizes sum to ",
-              total, " but the tensor has ", rows, " rows");
+  TORCH_CHECK(total == rows, "dsp all_to_all: ", which, " split sizes sum to ", total,
+              " but the tensor has ", rows, " rows");
 }
 
 }  // namespace
@@ -81,14 +83,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
 // One all-reduce over the flattened tensors: one synchronisation for the lot
 // instead of one per tensor.
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceCoalescedOptions& opts) {
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "dsp all_reduce_coalesced: no tensors given");
   for (const auto& t : tensors) {
     checkedDType(t, "all_reduce_coalesced");
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(),
                 "dsp all_reduce_coalesced: all tensors must share one dtype, "
-                "got ", tensors[0].scalar_type(), " and ", t.scalar_type());
+                "got ",
+                tensors[0].scalar_type(), " and ", t.scalar_type());
   }
   const auto dt = checkedDType(tensors[0], "all_reduce_coalesced");
   auto info = callInfo(Collective::kAllReduce, tensors[0],
@@ -101,8 +103,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
                    std::vector<at::Tensor> flat;
                    for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
                    at::Tensor buf = at::cat(flat);
-                   comm_->allReduce(buf.data_ptr(), buf.data_ptr(),
-                                    buf.numel(), info);
+                   comm_->allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), info);
                    int64_t off = 0;
                    for (const auto& t : tensors) {
                      t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
@@ -124,14 +125,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(
-    std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
   const at::Tensor& t = single(tensors, "reduce");
   checkRoot(opts.rootRank, getSize(), "reduce");
   const auto dt = checkedDType(t, "reduce");
-  auto info = callInfo(Collective::kReduce, t,
-                       checkedReduceOp(opts.reduceOp, dt, "reduce"),
-                       static_cast<int>(opts.rootRank));
+  auto info =
+      callInfo(Collective::kReduce, t, checkedReduceOp(opts.reduceOp, dt, "reduce"),
+               static_cast<int>(opts.rootRank));
   return enqueue(c10d::OpType::REDUCE, nullptr, tensors, [this, t, info] {
     Staged s(t);
     comm_->reduce(s.ptr(), s.ptr(), s.count(), info);
@@ -140,8 +141,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
-    std::vector<std::vector<at::Tensor>>& outputs,
-    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& /*opts*/) {
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
   const at::Tensor& in = single(inputs, "all_gather");
   TORCH_CHECK(outputs.size() == 1, "dsp all_gather: expects one output list");
   checkListSize(outputs[0].size(), getSize(), "all_gather", "the output list");
@@ -163,9 +164,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
   TORCH_CHECK(output.scalar_type() == input.scalar_type() &&
                   output.numel() == input.numel() * getSize(),
               "dsp all_gather_into_tensor: output must be ", input.scalar_type(),
-              " with ", input.numel() * getSize(), " elements (group size ",
-              getSize(), " x input ", input.sizes(), "), got ",
-              output.scalar_type(), " ", output.sizes());
+              " with ", input.numel() * getSize(), " elements (group size ", getSize(),
+              " x input ", input.sizes(), "), got ", output.scalar_type(), " ",
+              output.sizes());
   auto info = callInfo(Collective::kAllGather, input);
   return enqueue(c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
                  [this, input, output, info] {
@@ -181,8 +182,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& outputs,
-    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(),
               "dsp all_gather_coalesced: ", outputs.size(), " output lists for ",
               inputs.size(), " inputs");
@@ -200,8 +201,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
-              "dsp all_gather_into_tensor_coalesced: ", outputs.size(),
-              " outputs for ", inputs.size(), " inputs");
+              "dsp all_gather_into_tensor_coalesced: ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
   c10::intrusive_ptr<c10d::Work> last;
   for (size_t i = 0; i < inputs.size(); ++i) {
     last = _allgather_base(outputs[i], inputs[i], opts);
@@ -210,8 +211,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
-    std::vector<std::vector<at::Tensor>>& outputs,
-    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
   const at::Tensor& in = single(inputs, "gather");
   checkRoot(opts.rootRank, getSize(), "gather");
   const bool root = getRank() == opts.rootRank;
@@ -222,9 +223,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
     checkSameAs(outputs[0], in, "gather");
     outs = outputs[0];
   } else {
-    TORCH_CHECK(outputs.empty() || outputs[0].empty(),
-                "dsp gather: only the root rank ", opts.rootRank,
-                " passes a gather list");
+    TORCH_CHECK(outputs.empty() || outputs[0].empty(), "dsp gather: only the root rank ",
+                opts.rootRank, " passes a gather list");
   }
   auto info = callInfo(Collective::kGather, in, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
@@ -238,8 +238,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
-    std::vector<at::Tensor>& outputs,
-    std::vector<std::vector<at::Tensor>>& inputs,
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   const at::Tensor& out = single(outputs, "scatter");
   checkRoot(opts.rootRank, getSize(), "scatter");
@@ -251,9 +250,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
     checkSameAs(inputs[0], out, "scatter");
     ins = inputs[0];
   } else {
-    TORCH_CHECK(inputs.empty() || inputs[0].empty(),
-                "dsp scatter: only the root rank ", opts.rootRank,
-                " passes a scatter list");
+    TORCH_CHECK(inputs.empty() || inputs[0].empty(), "dsp scatter: only the root rank ",
+                opts.rootRank, " passes a scatter list");
   }
   auto info = callInfo(Collective::kScatter, out, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
@@ -268,8 +266,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
-    std::vector<at::Tensor>& outputs,
-    std::vector<std::vector<at::Tensor>>& inputs,
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& out = single(outputs, "reduce_scatter");
   TORCH_CHECK(inputs.size() == 1, "dsp reduce_scatter: expects one input list");
@@ -279,15 +276,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
   auto info = callInfo(Collective::kReduceScatter, out,
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter"));
   auto ins = inputs[0];
-  return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs,
-                 [this, out, ins, info] {
-                   auto staged = stageAll(ins);
-                   std::vector<const void*> ptrs;
-                   for (auto& s : staged) ptrs.push_back(s.ptr());
-                   Staged dst(out);
-                   comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
-                   dst.copyBack();
-                 });
+  return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs, [this, out, ins, info] {
+    auto staged = stageAll(ins);
+    std::vector<const void*> ptrs;
+    for (auto& s : staged) ptrs.push_back(s.ptr());
+    Staged dst(out);
+    comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
+    dst.copyBack();
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
@@ -295,31 +291,31 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
   const auto dt = checkedDType(output, "reduce_scatter_tensor");
   TORCH_CHECK(input.scalar_type() == output.scalar_type() &&
                   input.numel() == output.numel() * getSize(),
-              "dsp reduce_scatter_tensor: input must be ", output.scalar_type(),
-              " with ", output.numel() * getSize(), " elements (group size ",
-              getSize(), " x output ", output.sizes(), "), got ",
-              input.scalar_type(), " ", input.sizes());
+              "dsp reduce_scatter_tensor: input must be ", output.scalar_type(), " with ",
+              output.numel() * getSize(), " elements (group size ", getSize(),
+              " x output ", output.sizes(), "), got ", input.scalar_type(), " ",
+              input.sizes());
   auto info = callInfo(Collective::kReduceScatter, output,
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter_tensor"));
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
-                 [this, input, output, info] {
-                   Staged src(input);
-                   Staged dst(output);
-                   std::vector<const void*> ptrs;
-                   for (int r = 0; r < getSize(); ++r) {
-                     ptrs.push_back(static_cast<const char*>(src.ptr()) + r * dst.bytes());
-                   }
-                   comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
-                   dst.copyBack();
-                 });
+  return enqueue(
+      c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output}, [this, input, output, info] {
+        Staged src(input);
+        Staged dst(output);
+        std::vector<const void*> ptrs;
+        for (int r = 0; r < getSize(); ++r) {
+          ptrs.push_back(static_cast<const char*>(src.ptr()) + r * dst.bytes());
+        }
+        comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
+        dst.copyBack();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
-              "dsp reduce_scatter_tensor_coalesced: ", outputs.size(),
-              " outputs for ", inputs.size(), " inputs");
+              "dsp reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
   c10::intrusive_ptr<c10d::Work> last;
   for (size_t i = 0; i < inputs.size(); ++i) {
     last = _reduce_scatter_base(outputs[i], inputs[i], opts);
@@ -332,9 +328,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall_base(
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& /*opts*/) {
   const auto dt = checkedDType(input, "all_to_all");
   checkedDType(output, "all_to_all");
-  TORCH_CHECK(input.scalar_type() == output.scalar_type(),
-              "dsp all_to_all: input is ", input.scalar_type(), " but output is ",
-              output.scalar_type());
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "dsp all_to_all: input is ",
+              input.scalar_type(), " but output is ", output.scalar_type());
   std::vector<size_t> sb, so, rb, ro;
   splitBytes(input, input_split_sizes, getSize(), "input", sb, so);
   splitBytes(output, output_split_sizes, getSize(), "output", rb, ro);
@@ -373,21 +368,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
     TORCH_CHECK(checkedDType(t, "all_to_all") == info.dtype,
                 "dsp all_to_all: all tensors must share one dtype");
   }
-  return enqueue(c10d::OpType::ALLTOALL, nullptr, outputs,
-                 [this, inputs, outputs, info] {
-                   auto src = stageAll(inputs);
-                   auto dst = stageAll(outputs);
-                   std::vector<const void*> ins;
-                   std::vector<size_t> sb, rb;
-                   for (auto& s : src) {
-                     ins.push_back(s.ptr());
-                     sb.push_back(s.bytes());
-                   }
-                   for (auto& d : dst) rb.push_back(d.bytes());
-                   auto outs = pointers(dst);
-                   comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
-                   for (auto& d : dst) d.copyBack();
-                 });
+  return enqueue(c10d::OpType::ALLTOALL, nullptr, outputs, [this, inputs, outputs, info] {
+    auto src = stageAll(inputs);
+    auto dst = stageAll(outputs);
+    std::vector<const void*> ins;
+    std::vector<size_t> sb, rb;
+    for (auto& s : src) {
+      ins.push_back(s.ptr());
+      sb.push_back(s.bytes());
+    }
+    for (auto& d : dst) rb.push_back(d.bytes());
+    auto outs = pointers(dst);
+    comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
+    for (auto& d : dst) d.copyBack();
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
@@ -395,14 +389,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
   return enqueue(c10d::OpType::BARRIER, nullptr, {}, [this] { comm_->barrier(); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(
-    std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& tensors,
+                                                     int dst_rank, int tag) {
   TORCH_CHECK(p2p_, "dsp send: this group has no point-to-point transport");
   return p2p_->send(tensors, dst_rank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(
-    std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(std::vector<at::Tensor>& tensors,
+                                                     int src_rank, int tag) {
   TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
   return p2p_->recv(tensors, src_rank, tag);
 }

@@ -27,9 +27,8 @@ size_t envBytes(const char* name, size_t fallback) {
 // ---------------------------------------------------------------------------
 // WorkDSP
 
-WorkDSP::WorkDSP(ProcessGroupDSP* pg, c10d::OpType type,
-                 const char* profiling_title, std::vector<at::Tensor> outputs,
-                 std::function<void()> run)
+WorkDSP::WorkDSP(ProcessGroupDSP* pg, c10d::OpType type, const char* profiling_title,
+                 std::vector<at::Tensor> outputs, std::function<void()> run)
     : c10d::Work(pg->getRank(), type, profiling_title),
       pg_(pg),
       outputs_(std::move(outputs)),
@@ -70,9 +69,8 @@ bool WorkDSP::wait(std::chrono::milliseconds /*timeout*/) {
 // ---------------------------------------------------------------------------
 // ProcessGroupDSP: set-up and the queue
 
-ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store,
-                                 int rank, int size,
-                                 std::chrono::milliseconds timeout,
+ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                 int size, std::chrono::milliseconds timeout,
                                  c10::intrusive_ptr<c10d::Backend> p2p)
     : c10d::Backend(rank, size), p2p_(std::move(p2p)) {
   dsp::ShmOptions options;
@@ -83,7 +81,8 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store,
   // group (and each job, with its own store) gets its own segment.
   if (rank == 0) {
     segment_name_ = dsp::Segment::randomName();
-    store->set(kSegmentKey, std::vector<uint8_t>(segment_name_.begin(), segment_name_.end()));
+    store->set(kSegmentKey,
+               std::vector<uint8_t>(segment_name_.begin(), segment_name_.end()));
   } else {
     const auto bytes = store->get(kSegmentKey);
     segment_name_.assign(bytes.begin(), bytes.end());
@@ -106,11 +105,12 @@ void ProcessGroupDSP::setTimeout(std::chrono::milliseconds timeout) {
   comm_->setTimeout(timeout);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(
-    c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-    std::function<void()> run) {
-  auto work = c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs),
-                                           std::move(run));
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
+                                                        const char* title,
+                                                        std::vector<at::Tensor> outputs,
+                                                        std::function<void()> run) {
+  auto work =
+      c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs), std::move(run));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stop_, "dsp: process group is shutting down");

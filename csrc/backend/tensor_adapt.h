@@ -4,8 +4,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <vector>
 
 #include "core/shm/comm.h"
@@ -22,8 +22,7 @@ dsp::ReduceOp checkedReduceOp(const c10d::ReduceOp& op, dsp::DType dtype,
 
 // All tensors must share dtype and element count with `ref` (the list forms
 // of all_gather, scatter, ...).
-void checkSameAs(const at::TensorList tensors, const at::Tensor& ref,
-                 const char* what);
+void checkSameAs(const at::TensorList tensors, const at::Tensor& ref, const char* what);
 
 dsp::CallInfo callInfo(dsp::Collective kind, const at::Tensor& t,
                        dsp::ReduceOp op = dsp::ReduceOp::kSum, int root = -1);

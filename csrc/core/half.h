@@ -43,8 +43,7 @@ inline float halfToFloat(uint16_t h) {
   const float denormalized = bitsFloat((two_w >> 17) | kMagicMask) - kMagicBias;
   constexpr uint32_t kDenormCutoff = 1u << 27;
   const uint32_t result =
-      sign | (two_w < kDenormCutoff ? floatBits(denormalized)
-                                    : floatBits(normalized));
+      sign | (two_w < kDenormCutoff ? floatBits(denormalized) : floatBits(normalized));
   return bitsFloat(result);
 }
 
@@ -62,8 +61,7 @@ inline uint16_t floatToHalf(float f) {
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) |
-                               (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
 }  // namespace dsp

@@ -64,19 +64,27 @@ A wrapMul(A a, A b) {
 
 struct SumOp {
   template <typename A>
-  static A apply(A a, A b) { return wrapAdd(a, b); }
+  static A apply(A a, A b) {
+    return wrapAdd(a, b);
+  }
 };
 struct ProdOp {
   template <typename A>
-  static A apply(A a, A b) { return wrapMul(a, b); }
+  static A apply(A a, A b) {
+    return wrapMul(a, b);
+  }
 };
 struct MinOp {
   template <typename A>
-  static A apply(A a, A b) { return b < a ? b : a; }
+  static A apply(A a, A b) {
+    return b < a ? b : a;
+  }
 };
 struct MaxOp {
   template <typename A>
-  static A apply(A a, A b) { return a < b ? b : a; }
+  static A apply(A a, A b) {
+    return a < b ? b : a;
+  }
 };
 
 template <typename Traits, typename Op>
@@ -106,14 +114,13 @@ void reduceBlocked(void* dstv, const void* const* srcsv, int nsrc, size_t count,
 }
 
 template <typename Traits>
-void dispatchOp(void* dst, const void* const* srcs, int nsrc, size_t count,
-                ReduceOp op, int divisor) {
+void dispatchOp(void* dst, const void* const* srcs, int nsrc, size_t count, ReduceOp op,
+                int divisor) {
   switch (op) {
     case ReduceOp::kSum:
       return reduceBlocked<Traits, SumOp>(dst, srcs, nsrc, count, false, 1);
     case ReduceOp::kAvg:
-      return reduceBlocked<Traits, SumOp>(dst, srcs, nsrc, count, true,
-                                          divisor);
+      return reduceBlocked<Traits, SumOp>(dst, srcs, nsrc, count, true, divisor);
     case ReduceOp::kProduct:
       return reduceBlocked<Traits, ProdOp>(dst, srcs, nsrc, count, false, 1);
     case ReduceOp::kMin:
@@ -127,8 +134,7 @@ void dispatchOp(void* dst, const void* const* srcs, int nsrc, size_t count,
 
 // bool is stored as one byte holding 0 or 1: SUM and MAX are logical or,
 // PRODUCT and MIN logical and (as torch's NCCL backend treats them).
-void reduceBool(void* dst, const void* const* srcs, int nsrc, size_t count,
-                ReduceOp op) {
+void reduceBool(void* dst, const void* const* srcs, int nsrc, size_t count, ReduceOp op) {
   const bool isOr = op == ReduceOp::kSum || op == ReduceOp::kMax;
   if (isOr) {
     reduceBlocked<Native<uint8_t>, MaxOp>(dst, srcs, nsrc, count, false, 1);
@@ -138,8 +144,8 @@ void reduceBool(void* dst, const void* const* srcs, int nsrc, size_t count,
 }
 
 bool isFloating(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat64 ||
-         d == DType::kFloat16 || d == DType::kBFloat16;
+  return d == DType::kFloat32 || d == DType::kFloat64 || d == DType::kFloat16 ||
+         d == DType::kBFloat16;
 }
 
 }  // namespace
@@ -166,10 +172,9 @@ size_t elementSize(DType dtype) {
 }
 
 const char* dtypeName(DType dtype) {
-  static const char* const kNames[] = {"float32", "float64", "float16",
-                                       "bfloat16", "int8",    "uint8",
-                                       "int16",   "int32",   "int64",
-                                       "bool"};
+  static const char* const kNames[] = {"float32", "float64", "float16", "bfloat16",
+                                       "int8",    "uint8",   "int16",   "int32",
+                                       "int64",   "bool"};
   const auto i = static_cast<uint32_t>(dtype);
   return i < static_cast<uint32_t>(DType::kNumDTypes) ? kNames[i] : "unknown";
 }
@@ -194,8 +199,8 @@ std::string unsupportedReason(DType dtype, ReduceOp op) {
   return "";
 }
 
-void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count,
-                DType dtype, ReduceOp op, int divisor) {
+void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
+                ReduceOp op, int divisor) {
   if (count == 0 || nsrc <= 0) return;
   switch (dtype) {
     case DType::kFloat32:

@@ -44,7 +44,7 @@ std::string unsupportedReason(DType dtype, ReduceOp op);
 // dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i] for i < count.
 // dst may alias any source. AVG divides the sum by `divisor` (the group size).
 // fp16 and bf16 are accumulated in fp32 and rounded once.
-void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count,
-                DType dtype, ReduceOp op, int divisor);
+void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
+                ReduceOp op, int divisor);
 
 }  // namespace dsp

@@ -22,9 +22,9 @@ inline ShmOptions smallOptions() {
 }
 
 // Calls fn(comm) on every rank; returns each rank's exception (or null).
-inline std::vector<std::exception_ptr> runRanks(
-    int n, const std::function<void(ShmComm&)>& fn,
-    ShmOptions options = smallOptions()) {
+inline std::vector<std::exception_ptr> runRanks(int n,
+                                                const std::function<void(ShmComm&)>& fn,
+                                                ShmOptions options = smallOptions()) {
   const std::string name = Segment::randomName();
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;

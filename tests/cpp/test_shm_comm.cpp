@@ -23,9 +23,8 @@ using testing::runRanks;
 const std::vector<size_t> kCounts = {0, 1, 13, 511, 1025, 5000};
 const std::vector<int> kWorlds = {1, 2, 3, 4};  // 4 > the 2 cores of CI
 
-CallInfo info(Collective kind, DType dt = DType::kInt32,
-              ReduceOp op = ReduceOp::kSum, int root = -1,
-              std::vector<int64_t> shape = {}) {
+CallInfo info(Collective kind, DType dt = DType::kInt32, ReduceOp op = ReduceOp::kSum,
+              int root = -1, std::vector<int64_t> shape = {}) {
   CallInfo i;
   i.kind = kind;
   i.dtype = dt;
@@ -71,8 +70,8 @@ TEST(ShmComm, BroadcastReduceGatherScatter) {
       for (size_t count : kCounts) {
         const int root = n - 1;
         std::vector<int32_t> b(count, c.rank() == root ? 42 : -1);
-        c.broadcast(b.data(), count * 4, info(Collective::kBroadcast, DType::kInt32,
-                                              ReduceOp::kSum, root));
+        c.broadcast(b.data(), count * 4,
+                    info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, root));
         for (int32_t x : b) ASSERT_EQ(x, 42);
 
         std::vector<int64_t> in(count, c.rank() + 1), out(count, 0);
@@ -160,9 +159,9 @@ TEST(ShmComm, MismatchRaisesSameErrorEverywhereAndGroupSurvives) {
     std::vector<float> v(16, 1.f);
     const int64_t len = c.rank() == 1 ? 12 : 16;
     try {
-      c.allReduce(v.data(), v.data(), len,
-                  info(Collective::kAllReduce, DType::kFloat32, ReduceOp::kSum, -1,
-                       {len}));
+      c.allReduce(
+          v.data(), v.data(), len,
+          info(Collective::kAllReduce, DType::kFloat32, ReduceOp::kSum, -1, {len}));
       ADD_FAILURE() << "no error on rank " << c.rank();
     } catch (const MismatchError& e) {
       msgs[c.rank()] = e.what();
@@ -185,9 +184,11 @@ TEST(ShmComm, DifferentCollectivesOrRootsAreNamed) {
     int32_t x = 1;
     try {
       if (c.rank() == 0) {
-        c.broadcast(&x, 4, info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 0));
+        c.broadcast(&x, 4,
+                    info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 0));
       } else {
-        c.broadcast(&x, 4, info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 1));
+        c.broadcast(&x, 4,
+                    info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 1));
       }
     } catch (const MismatchError& e) {
       msgs[c.rank()] = e.what();
@@ -207,7 +208,8 @@ TEST(ShmComm, LatePeerTimesOutNamingIt) {
       3,
       [&](ShmComm& c) {
         if (c.rank() == 2) {
-          while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          while (!released.load())
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
           return;  // never calls the all-reduce
         }
         float v = 1.f;

@@ -65,8 +65,9 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_ranks(fn, world_size, *args, backend="dsp", timeout=120, pg_timeout_s=60,
-              init=True, allow_exit=()):
+def run_ranks(
+    fn, world_size, *args, backend="dsp", timeout=120, pg_timeout_s=60, init=True, allow_exit=()
+):
     """Runs fn on world_size ranks; returns the list of per-rank return values.
 
     Raises RankFailure with every failing rank's traceback. Ranks listed in
@@ -76,8 +77,10 @@ def run_ranks(fn, world_size, *args, backend="dsp", timeout=120, pg_timeout_s=60
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry,
-                    args=(fn, r, world_size, port, backend, pg_timeout_s, init, args, results))
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, port, backend, pg_timeout_s, init, args, results),
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -90,7 +93,9 @@ def run_ranks(fn, world_size, *args, backend="dsp", timeout=120, pg_timeout_s=60
                 rank, status, value = results.get(timeout=timeout)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(got) - set(allow_exit))
-                raise RankFailure(f"ranks {missing} did not finish within {timeout}s (hang?)")
+                raise RankFailure(
+                    f"ranks {missing} did not finish within {timeout}s (hang?)"
+                ) from None
             got[rank] = (status, value)
     finally:
         for p in procs:

@@ -7,8 +7,16 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 
 WORLDS = [1, 2, 3, 4]
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
-          torch.int8, torch.uint8, torch.int32, torch.int64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+]
 # 0 elements, 1, odd, one-shot sized, and several 1 MiB chunks.
 SIZES = [0, 1, 37, 4099, 700_001]
 
@@ -33,8 +41,13 @@ def _reduce_expect(op, n, base):
 
 
 def _all_reduce_body(rank, n):
-    ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX,
-           dist.ReduceOp.AVG]
+    ops = [
+        dist.ReduceOp.SUM,
+        dist.ReduceOp.PRODUCT,
+        dist.ReduceOp.MIN,
+        dist.ReduceOp.MAX,
+        dist.ReduceOp.AVG,
+    ]
     for dtype in DTYPES:
         for size in SIZES:
             # values 0..2 so that products of up to 4 ranks fit in int8
@@ -153,8 +166,9 @@ def _reduce_scatter_all_to_all_body(rank, n):
         inp = torch.arange(n * size, dtype=torch.int64) + 1_000_000 * rank
         out = torch.empty(n * size, dtype=torch.int64)
         dist.all_to_all_single(out, inp)
-        expect = torch.cat([torch.arange(rank * size, (rank + 1) * size) + 1_000_000 * r
-                            for r in range(n)])
+        expect = torch.cat(
+            [torch.arange(rank * size, (rank + 1) * size) + 1_000_000 * r for r in range(n)]
+        )
         assert torch.equal(out, expect)
     # uneven splits: rank i sends (i + j + 1) rows of width 3 to rank j
     send = [i_j + 1 for i_j in (rank + j for j in range(n))]
@@ -222,8 +236,10 @@ def _p2p_body(rank, n):
         for r in reqs:
             r.wait()
         assert torch.equal(inb, torch.full((5,), float(left * 100 + tag)))
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), right),
-           dist.P2POp(dist.irecv, got := torch.empty(2), left)]
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), float(rank)), right),
+        dist.P2POp(dist.irecv, got := torch.empty(2), left),
+    ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     assert torch.equal(got, torch.full((2,), float(left)))

@@ -25,8 +25,16 @@ def _mismatch_body(rank, n):
     # different shapes: every rank raises the same message naming the
     # collective, its sequence number and each rank's call
     t = torch.ones(4 if rank == 0 else 5)
-    msgs = [_expect_error(lambda: dist.all_reduce(t), "all_reduce #", "rank 0:", "rank 1:",
-                          "float32[4]", "float32[5]")]
+    msgs = [
+        _expect_error(
+            lambda: dist.all_reduce(t),
+            "all_reduce #",
+            "rank 0:",
+            "rank 1:",
+            "float32[4]",
+            "float32[5]",
+        )
+    ]
     # same element count, different shape
     t = torch.ones(2, 3) if rank == 0 else torch.ones(3, 2)
     msgs.append(_expect_error(lambda: dist.all_reduce(t), "float32[2, 3]", "float32[3, 2]"))
@@ -83,8 +91,13 @@ def _late_rank_body(rank, n):
         time.sleep(6)  # never joins the all-reduce in time
         return None
     t0 = time.monotonic()
-    msg = _expect_error(lambda: dist.all_reduce(torch.ones(8)), "all_reduce #1",
-                        f"[{n - 1}]", "did not arrive", "timeout")
+    msg = _expect_error(
+        lambda: dist.all_reduce(torch.ones(8)),
+        "all_reduce #1",
+        f"[{n - 1}]",
+        "did not arrive",
+        "timeout",
+    )
     elapsed = time.monotonic() - t0
     assert elapsed < 10, elapsed
     # the group refuses further work, saying why
@@ -103,8 +116,7 @@ def _killed_rank_body(rank, n, size):
     if rank == 1:
         os._exit(17)  # dies without a word, mid-job
     t0 = time.monotonic()
-    _expect_error(lambda: dist.all_reduce(torch.ones(size)), "all_reduce #2", "[1]",
-                  "has exited")
+    _expect_error(lambda: dist.all_reduce(torch.ones(size)), "all_reduce #2", "[1]", "has exited")
     assert time.monotonic() - t0 < 20
 
 

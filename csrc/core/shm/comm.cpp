@@ -49,16 +49,26 @@ size_t ceilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 
 const char* collectiveName(Collective c) {
   switch (c) {
-    case Collective::kInit: return "init";
-    case Collective::kAllReduce: return "all_reduce";
-    case Collective::kBroadcast: return "broadcast";
-    case Collective::kReduce: return "reduce";
-    case Collective::kAllGather: return "all_gather";
-    case Collective::kGather: return "gather";
-    case Collective::kScatter: return "scatter";
-    case Collective::kReduceScatter: return "reduce_scatter";
-    case Collective::kAllToAll: return "all_to_all";
-    case Collective::kBarrier: return "barrier";
+    case Collective::kInit:
+      return "init";
+    case Collective::kAllReduce:
+      return "all_reduce";
+    case Collective::kBroadcast:
+      return "broadcast";
+    case Collective::kReduce:
+      return "reduce";
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kGather:
+      return "gather";
+    case Collective::kScatter:
+      return "scatter";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+    case Collective::kAllToAll:
+      return "all_to_all";
+    case Collective::kBarrier:
+      return "barrier";
   }
   return "unknown";
 }
@@ -86,7 +96,7 @@ struct alignas(kCacheLine) ShmComm::RankControl {
   char pad0[kCacheLine - sizeof(WaitWord)];
   std::atomic<int32_t> pid;
   char pad1[kCacheLine - sizeof(std::atomic<int32_t>)];
-  Descriptor desc[2];                // by step parity
+  Descriptor desc[2];                 // by step parity
   uint64_t send_bytes[2][kMaxRanks];  // all_to_all splits, by step parity
   uint64_t recv_bytes[2][kMaxRanks];
 };
@@ -113,8 +123,7 @@ struct ShmComm::Layout {
 
 // ---------------------------------------------------------------------------
 
-ShmComm::ShmComm(const std::string& name, int rank, int size,
-                 ShmOptions options)
+ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options)
     : rank_(rank), size_(size), options_(options) {
   if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size) {
     throw std::invalid_argument("dsp: shared-memory group of size " +
@@ -145,9 +154,9 @@ ShmComm::ShmComm(const std::string& name, int rank, int size,
         h->chunk_bytes != options_.chunk_bytes) {
       throw std::runtime_error(
           "dsp: ranks disagree on the shared-memory layout (group size " +
-          std::to_string(h->nranks) + " vs " + std::to_string(size) +
-          ", chunk bytes " + std::to_string(h->chunk_bytes) + " vs " +
-          std::to_string(options_.chunk_bytes) + "): set DSP_CHUNK_BYTES alike");
+          std::to_string(h->nranks) + " vs " + std::to_string(size) + ", chunk bytes " +
+          std::to_string(h->chunk_bytes) + " vs " + std::to_string(options_.chunk_bytes) +
+          "): set DSP_CHUNK_BYTES alike");
     }
   }
   control(rank_).pid.store(static_cast<int32_t>(getpid()));
@@ -173,16 +182,17 @@ char* ShmComm::slot(int r, uint32_t step) const {
 
 void ShmComm::begin(const CallInfo& info) {
   if (!broken_.empty()) {
-    throw PeerError("dsp: this process group is unusable after an earlier "
-                    "failure: " + broken_);
+    throw PeerError(
+        "dsp: this process group is unusable after an earlier "
+        "failure: " +
+        broken_);
   }
   current_ = info.kind;
   ++seq_;
   deadline_ = std::chrono::steady_clock::now() + options_.timeout;
 }
 
-void ShmComm::publishDescriptor(uint32_t step, const CallInfo& info,
-                                size_t count) {
+void ShmComm::publishDescriptor(uint32_t step, const CallInfo& info, size_t count) {
   Descriptor& d = control(rank_).desc[step & 1u];
   d.kind = static_cast<uint32_t>(info.kind);
   d.dtype = static_cast<uint32_t>(info.dtype);
@@ -196,8 +206,7 @@ void ShmComm::publishDescriptor(uint32_t step, const CallInfo& info,
   }
 }
 
-void ShmComm::publishSplits(uint32_t step, const size_t* send,
-                            const size_t* recv) {
+void ShmComm::publishSplits(uint32_t step, const size_t* send, const size_t* recv) {
   RankControl& c = control(rank_);
   for (int r = 0; r < size_; ++r) {
     c.send_bytes[step & 1u][r] = send[r];
@@ -210,9 +219,8 @@ void ShmComm::arriveAndWait(uint32_t step) {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const RankControl& peer = control(r);
-    const WaitResult res =
-        waitFor(peer.step, step, deadline_,
-                [&peer] { return processAlive(peer.pid.load()); });
+    const WaitResult res = waitFor(peer.step, step, deadline_,
+                                   [&peer] { return processAlive(peer.pid.load()); });
     if (res != WaitResult::kReached) {
       failWaiting(step, res == WaitResult::kCancelled);
     }
@@ -233,8 +241,8 @@ void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
     first = false;
   }
   std::ostringstream msg;
-  msg << "dsp: " << collectiveName(current_) << " #" << seq_ << " on rank "
-      << rank_ << " failed: rank(s) [" << missing.str() << "] did not arrive";
+  msg << "dsp: " << collectiveName(current_) << " #" << seq_ << " on rank " << rank_
+      << " failed: rank(s) [" << missing.str() << "] did not arrive";
   if (dead_peer) {
     msg << " (a peer process died).";
   } else {
@@ -269,8 +277,8 @@ std::string describe(const Descriptor& d) {
 }
 
 bool sameCall(const Descriptor& a, const Descriptor& b, bool compare_counts) {
-  if (a.kind != b.kind || a.dtype != b.dtype || a.op != b.op ||
-      a.root != b.root || a.seq != b.seq) {
+  if (a.kind != b.kind || a.dtype != b.dtype || a.op != b.op || a.root != b.root ||
+      a.seq != b.seq) {
     return false;
   }
   if (!compare_counts) return true;
@@ -306,8 +314,8 @@ void ShmComm::checkSplits(uint32_t step) const {
       const uint64_t expected = control(j).recv_bytes[p][i];
       if (sent != expected) {
         std::ostringstream msg;
-        msg << "dsp: all_to_all #" << seq_ << ": rank " << i << " sends "
-            << sent << " bytes to rank " << j << ", which expects " << expected
+        msg << "dsp: all_to_all #" << seq_ << ": rank " << i << " sends " << sent
+            << " bytes to rank " << j << ", which expects " << expected
             << " bytes from it (split sizes must match across ranks)";
         throw MismatchError(msg.str());
       }
@@ -328,8 +336,7 @@ size_t ShmComm::maxSendOverRanks(uint32_t step) const {
 // ---------------------------------------------------------------------------
 // all-reduce
 
-void ShmComm::allReduce(const void* in, void* out, size_t count,
-                        const CallInfo& info) {
+void ShmComm::allReduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
   if (count * elementSize(info.dtype) <= options_.one_shot_max_bytes &&
       count * elementSize(info.dtype) <= options_.chunk_bytes) {
@@ -387,8 +394,7 @@ void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
       const auto [b, e] = sliceOf(rank_, segLen, size_);
       for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + b * es;
       char* outHalf = slot(rank_, s) + options_.chunk_bytes;
-      reduceInto(outHalf + b * es, srcs.data(), size_, e - b, info.dtype,
-                 info.op, size_);
+      reduceInto(outHalf + b * es, srcs.data(), size_, e - b, info.dtype, info.op, size_);
     }
     if (k > 0) {
       const size_t prevBegin = (k - 1) * seg;
@@ -397,8 +403,7 @@ void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
         const auto [b, e] = sliceOf(r, prevLen, size_);
         if (e > b) {
           std::memcpy(dst + (prevBegin + b) * es,
-                      slot(r, prev) + options_.chunk_bytes + b * es,
-                      (e - b) * es);
+                      slot(r, prev) + options_.chunk_bytes + b * es, (e - b) * es);
         }
       }
     }
@@ -428,8 +433,7 @@ void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
 
 // Root reduces every chunk; the others only copy in. Rooted reductions are
 // rare in training, so simplicity wins over spreading the work.
-void ShmComm::reduce(const void* in, void* out, size_t count,
-                     const CallInfo& info) {
+void ShmComm::reduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
   const size_t es = elementSize(info.dtype);
   const size_t per = slotBytes() / es;
@@ -441,15 +445,14 @@ void ShmComm::reduce(const void* in, void* out, size_t count,
     const size_t len = std::min(per, count - std::min(count, off));
     if (k == 0) publishDescriptor(s, info, count);
     if (len) {
-      std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off * es,
-                  len * es);
+      std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off * es, len * es);
     }
     arriveAndWait(s);
     if (k == 0) checkDescriptors(s, true);
     if (rank_ == info.root && len) {
       for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s);
-      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
-                 info.dtype, info.op, size_);
+      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len, info.dtype,
+                 info.op, size_);
     }
   }
 }
@@ -494,15 +497,14 @@ void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
     if (k == 0) publishDescriptor(s, info, bytes);
     if (rank_ == info.root && len) {
       for (int r = 0; r < size_; ++r) {
-        std::memcpy(slot(rank_, s) + r * per,
-                    static_cast<const char*>(ins[r]) + off, len);
+        std::memcpy(slot(rank_, s) + r * per, static_cast<const char*>(ins[r]) + off,
+                    len);
       }
     }
     arriveAndWait(s);
     if (k == 0) checkDescriptors(s, true);
     if (len) {
-      std::memcpy(static_cast<char*>(out) + off,
-                  slot(info.root, s) + rank_ * per, len);
+      std::memcpy(static_cast<char*>(out) + off, slot(info.root, s) + rank_ * per, len);
     }
   }
 }
@@ -529,8 +531,8 @@ void ShmComm::reduceScatter(const void* const* ins, void* out, size_t count,
     if (k == 0) checkDescriptors(s, true);
     if (len) {
       for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + rank_ * per * es;
-      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
-                 info.dtype, info.op, size_);
+      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len, info.dtype,
+                 info.op, size_);
     }
   }
 }
@@ -554,8 +556,8 @@ void ShmComm::allToAll(const void* const* ins, const size_t* send_bytes,
     for (int j = 0; j < size_; ++j) {
       const size_t len = std::min(per, send_bytes[j] - std::min(send_bytes[j], off));
       if (len) {
-        std::memcpy(slot(rank_, s) + j * per,
-                    static_cast<const char*>(ins[j]) + off, len);
+        std::memcpy(slot(rank_, s) + j * per, static_cast<const char*>(ins[j]) + off,
+                    len);
       }
     }
     arriveAndWait(s);
@@ -567,8 +569,7 @@ void ShmComm::allToAll(const void* const* ins, const size_t* send_bytes,
     for (int r = 0; r < size_; ++r) {
       const size_t len = std::min(per, recv_bytes[r] - std::min(recv_bytes[r], off));
       if (len) {
-        std::memcpy(static_cast<char*>(outs[r]) + off,
-                    slot(r, s) + rank_ * per, len);
+        std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s) + rank_ * per, len);
       }
     }
   }

@@ -106,21 +106,17 @@ class ShmComm {
   // out (root only; may equal in) = op over ranks of in.
   void reduce(const void* in, void* out, size_t count, const CallInfo& info);
   // outs[r] (size() pointers, each `bytes`) = rank r's in.
-  void allGather(const void* in, size_t bytes, void* const* outs,
-                 const CallInfo& info);
+  void allGather(const void* in, size_t bytes, void* const* outs, const CallInfo& info);
   // As allGather, outs read on root only.
-  void gather(const void* in, size_t bytes, void* const* outs,
-              const CallInfo& info);
+  void gather(const void* in, size_t bytes, void* const* outs, const CallInfo& info);
   // out = root's ins[rank()] (ins read on root only).
-  void scatter(const void* const* ins, void* out, size_t bytes,
-               const CallInfo& info);
+  void scatter(const void* const* ins, void* out, size_t bytes, const CallInfo& info);
   // out = op over ranks r of rank r's ins[rank()] (count elements each).
   void reduceScatter(const void* const* ins, void* out, size_t count,
                      const CallInfo& info);
   // outs[r] (recv_bytes[r]) = rank r's ins[rank()] (its send_bytes[rank()]).
-  void allToAll(const void* const* ins, const size_t* send_bytes,
-                void* const* outs, const size_t* recv_bytes,
-                const CallInfo& info);
+  void allToAll(const void* const* ins, const size_t* send_bytes, void* const* outs,
+                const size_t* recv_bytes, const CallInfo& info);
   void barrier();
 
  private:
@@ -142,8 +138,7 @@ class ShmComm {
   size_t maxSendOverRanks(uint32_t step) const;
   [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
 
-  void allReduceOneShot(const void* in, void* out, size_t count,
-                        const CallInfo& info);
+  void allReduceOneShot(const void* in, void* out, size_t count, const CallInfo& info);
   void allReduceScatterGather(const void* in, void* out, size_t count,
                               const CallInfo& info);
 

@@ -20,8 +20,8 @@ constexpr mode_t kSegmentMode = 0600;
 constexpr auto kAttachRetry = std::chrono::milliseconds(1);
 
 std::runtime_error sysError(const std::string& what, const std::string& name) {
-  return std::runtime_error("dsp: " + what + " of shared-memory segment " +
-                            name + " failed: " + std::strerror(errno));
+  return std::runtime_error("dsp: " + what + " of shared-memory segment " + name +
+                            " failed: " + std::strerror(errno));
 }
 
 void* mapFd(int fd, size_t bytes, const std::string& name) {
@@ -122,8 +122,8 @@ Segment Segment::attach(const std::string& name, size_t bytes,
       throw sysError("shm_open(attach)", name);
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error("dsp: timed out attaching shared-memory segment " +
-                               name + " (its creator, rank 0, never made it)");
+      throw std::runtime_error("dsp: timed out attaching shared-memory segment " + name +
+                               " (its creator, rank 0, never made it)");
     }
     std::this_thread::sleep_for(kAttachRetry);
   }

@@ -33,8 +33,8 @@ std::atomic<int> gYields{kDefaultYields};
 // several processes.
 long futex(const std::atomic<uint32_t>* addr, int op, uint32_t val,
            const timespec* timeout) {
-  return syscall(SYS_futex, reinterpret_cast<const uint32_t*>(addr), op, val,
-                 timeout, nullptr, 0);
+  return syscall(SYS_futex, reinterpret_cast<const uint32_t*>(addr), op, val, timeout,
+                 nullptr, 0);
 }
 
 }  // namespace
@@ -70,8 +70,7 @@ bool spinThenYield(const WaitWord& word, uint32_t target) {
   return reached(word.value.load(std::memory_order_acquire), target);
 }
 
-void sleepOnce(const WaitWord& word, uint32_t observed,
-               std::chrono::microseconds slice) {
+void sleepOnce(const WaitWord& word, uint32_t observed, std::chrono::microseconds slice) {
   auto& w = const_cast<WaitWord&>(word);
   w.sleepers.fetch_add(1, std::memory_order_seq_cst);
   if (w.value.load(std::memory_order_seq_cst) == observed) {

@@ -38,8 +38,7 @@ enum class WaitResult { kReached, kTimedOut, kCancelled };
 // dead peer). Spin and yield budgets are set by tuneWaiting.
 template <typename StillOk>
 WaitResult waitFor(const WaitWord& word, uint32_t target,
-                   std::chrono::steady_clock::time_point deadline,
-                   StillOk&& still_ok);
+                   std::chrono::steady_clock::time_point deadline, StillOk&& still_ok);
 
 // Number of pause-spins and sched_yields before sleeping.
 void tuneWaiting(int spins, int yields);
@@ -48,14 +47,12 @@ namespace detail {
 bool spinThenYield(const WaitWord& word, uint32_t target);
 // One futex sleep of at most `slice`; returns when woken, on timeout or
 // spuriously. The caller re-checks.
-void sleepOnce(const WaitWord& word, uint32_t observed,
-               std::chrono::microseconds slice);
+void sleepOnce(const WaitWord& word, uint32_t observed, std::chrono::microseconds slice);
 }  // namespace detail
 
 template <typename StillOk>
 WaitResult waitFor(const WaitWord& word, uint32_t target,
-                   std::chrono::steady_clock::time_point deadline,
-                   StillOk&& still_ok) {
+                   std::chrono::steady_clock::time_point deadline, StillOk&& still_ok) {
   if (detail::spinThenYield(word, target)) return WaitResult::kReached;
   constexpr auto kSleepSlice = std::chrono::milliseconds(5);
   for (;;) {
