@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs everything dsparallel needs on a fresh Debian machine and builds it:
+# system packages, the CPU build of torch, test tools, the GoogleTest suite
+# (CMake) and the extension (pip, no build isolation). Idempotent and quick
+# when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(cmake ninja-build libgtest-dev g++)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+# Always pin torch: a bare 'torch' would pull a multi-GB CUDA build.
+"$PY" -m pip install -q --disable-pip-version-check \
+  "torch==${DSP_TORCH_VERSION:-2.13.0}" numpy pytest pytest-timeout ninja ruff \
+  setuptools wheel
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build
+# Rebuild the extension only when its sources changed (a stamp of their hash).
+stamp=build/.extension-stamp
+hash=$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$hash" ]] || ! "$PY" -c "import dsparallel._C" 2>/dev/null; then
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+  echo "$hash" >"$stamp"
+fi
