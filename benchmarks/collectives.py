@@ -1,0 +1,332 @@
+"""Collective benchmark in the manner of nccl-tests: "dsp" against gloo (and
+MPI when Open MPI and mpi4py are installed), measured in the same run.
+
+    python benchmarks/collectives.py [--worlds 2 4] [--collectives all_reduce ...]
+                                     [--max-bytes 256M] [--plot busbw.png] [--json out.json]
+
+For every (collective, world size, size) it prints the time per call, algbw,
+busbw and #wrong (elements wrong in a separate, untimed correctness pass with
+exactly representable values) for each backend, and the ratio of gloo's time
+to ours. Conventions as nccl-tests: `size` is the bytes of the largest buffer
+(all_gather: the output; reduce_scatter: the input); busbw = algbw x 2(n-1)/n
+for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
+Each rank's time is the mean over the timed iterations; the reported time is
+the slowest rank's. Warm-up iterations come first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_SIZES = [
+    8,
+    64,
+    512,
+    4 << 10,
+    32 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+]
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+TIME_BUDGET_S = 0.3  # per measurement, after warm-up
+
+
+def parse_bytes(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
+
+
+def fmt_bytes(b: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if b >= m and b % m == 0:
+            return f"{b // m}{unit}"
+    return str(b)
+
+
+def _make_op(name, n, rank, size_bytes, group):
+    """Returns (run, check): run() does one collective; check() counts wrong elements."""
+    import torch
+    import torch.distributed as dist
+
+    elems = max(1, size_bytes // 4)
+    if name == "all_reduce":
+        buf = torch.empty(elems)
+
+        def run():
+            dist.all_reduce(buf, group=group)
+
+        def check():
+            buf.fill_(rank + 1)
+            run()
+            return int((buf != n * (n + 1) / 2).sum())
+
+    elif name == "all_gather":
+        per = max(1, elems // n)
+        inp, out = torch.empty(per), torch.empty(per * n)
+
+        def run():
+            dist.all_gather_into_tensor(out, inp, group=group)
+
+        def check():
+            inp.fill_(rank)
+            run()
+            expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
+            return int((out != expect).sum())
+
+    elif name == "reduce_scatter":
+        per = max(1, elems // n)
+        inp, out = torch.empty(per * n), torch.empty(per)
+
+        def run():
+            dist.reduce_scatter_tensor(out, inp, group=group)
+
+        def check():
+            inp.copy_(torch.arange(n, dtype=torch.float32).repeat_interleave(per) + rank)
+            run()
+            return int((out != n * rank + n * (n - 1) / 2).sum())
+
+    elif name == "broadcast":
+        buf = torch.empty(elems)
+
+        def run():
+            dist.broadcast(buf, src=0, group=group)
+
+        def check():
+            buf.fill_(7.0 if rank == 0 else -1.0)
+            run()
+            return int((buf != 7.0).sum())
+
+    else:
+        raise ValueError(name)
+    return run, check
+
+
+def _time(run, dsp_group, size_bytes):
+    """Mean seconds per call on the slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    warm = 3 if size_bytes >= (16 << 20) else 20
+    for _ in range(warm):
+        run()
+    # Agree on an iteration count from a short probe so every rank runs the same.
+    dist.barrier(group=dsp_group)
+    t0 = time.perf_counter()
+    probe = 2
+    for _ in range(probe):
+        run()
+    per = torch.tensor([(time.perf_counter() - t0) / probe])
+    dist.all_reduce(per, op=dist.ReduceOp.MAX, group=dsp_group)
+    iters = int(min(5000, max(3, TIME_BUDGET_S / max(per.item(), 1e-7))))
+    dist.barrier(group=dsp_group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    mine = torch.tensor([(time.perf_counter() - t0) / iters])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=dsp_group)
+    return mine.item()
+
+
+def _worker(rank, n, port, collectives, sizes, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(n),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    import dsparallel  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("dsp", rank=rank, world_size=n)
+    groups = {"dsp": None, "gloo": dist.new_group(backend="gloo")}
+    rows = []
+    for coll in collectives:
+        for size in sizes:
+            row = {"collective": coll, "world": n, "bytes": size}
+            for name, group in groups.items():
+                run, check = _make_op(coll, n, rank, size, group)
+                wrong = torch.tensor([check()])
+                dist.all_reduce(wrong, group=None)
+                secs = _time(run, None, size)
+                row[name] = {"us": secs * 1e6, "wrong": int(wrong.item())}
+                del run, check
+            rows.append(row)
+            if rank == 0:
+                print(_format_row(row), flush=True)
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(n, collectives, sizes):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, n, port, collectives, sizes, results))
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    rows = results.get()
+    for p in procs:
+        p.join()
+    return rows
+
+
+def _mpi_available():
+    if shutil.which("mpirun") is None:
+        return False
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run_mpi(n, sizes):
+    """MPI_Allreduce via mpi4py on the same sizes (us per call, slowest rank)."""
+    cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-n",
+        str(n),
+        "--mca",
+        "btl",
+        "self,vader",
+        sys.executable,
+        os.path.join(HERE, "mpi_allreduce.py"),
+    ]
+    cmd += [str(s) for s in sizes]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+
+
+HEADER = (
+    f"{'collective':>14} {'n':>2} {'size':>6} | {'dsp us':>10} {'algbw':>7} "
+    f"{'busbw':>7} {'#wrong':>6} | {'gloo us':>10} {'algbw':>7} {'busbw':>7} "
+    f"{'#wrong':>6} | {'gloo/dsp':>8}"
+)
+
+
+def _bw(row, name):
+    secs = row[name]["us"] / 1e6
+    alg = row["bytes"] / secs / 1e9
+    return alg, alg * BUS_FACTOR[row["collective"]](row["world"])
+
+
+def _format_row(row):
+    parts = [f"{row['collective']:>14} {row['world']:>2} {fmt_bytes(row['bytes']):>6}"]
+    for name in ("dsp", "gloo"):
+        alg, bus = _bw(row, name)
+        parts.append(f"{row[name]['us']:>10.1f} {alg:>7.3f} {bus:>7.3f} {row[name]['wrong']:>6}")
+    ratio = row["gloo"]["us"] / row["dsp"]["us"]
+    line = " | ".join(parts) + f" | {ratio:>7.1f}x"
+    if "mpi_us" in row:
+        mpi_bus = (
+            row["bytes"] / (row["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR["all_reduce"](row["world"])
+        )
+        line += (
+            f" | mpi {row['mpi_us']:>9.1f} us busbw {mpi_bus:>6.3f} dsp/mpi busbw "
+            f"{_bw(row, 'dsp')[1] / mpi_bus:>5.2f}"
+        )
+    return line
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed; {path} not written")
+        return
+    keys = sorted({(r["collective"], r["world"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, (coll, n) in zip(axes[0], keys):
+        sel = [r for r in rows if r["collective"] == coll and r["world"] == n]
+        xs = [r["bytes"] for r in sel]
+        for name in ("dsp", "gloo"):
+            ax.plot(xs, [_bw(r, name)[1] for r in sel], marker="o", label=name)
+        if all("mpi_us" in r for r in sel):
+            ax.plot(
+                xs,
+                [r["bytes"] / (r["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR[coll](n) for r in sel],
+                marker="o",
+                label="MPI",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("busbw GB/s")
+        ax.set_title(f"{coll}, {n} ranks")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--collectives", nargs="+", default=["all_reduce"], choices=sorted(BUS_FACTOR))
+    ap.add_argument("--min-bytes", default="8")
+    ap.add_argument("--max-bytes", default="256M")
+    ap.add_argument("--plot", help="write a PNG of busbw against size")
+    ap.add_argument("--json", help="write the rows as JSON")
+    ap.add_argument("--no-mpi", action="store_true")
+    args = ap.parse_args()
+    lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
+    sizes = [s for s in DEFAULT_SIZES if lo <= s <= hi]
+
+    print(HEADER)
+    rows = []
+    for n in args.worlds:
+        world_rows = _run_world(n, args.collectives, sizes)
+        if "all_reduce" in args.collectives and not args.no_mpi and _mpi_available():
+            mpi = _run_mpi(n, sizes)
+            for r in world_rows:
+                if r["collective"] == "all_reduce" and r["bytes"] in mpi:
+                    r["mpi_us"] = mpi[r["bytes"]]
+                    print(_format_row(r))
+        rows += world_rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
