@@ -8,9 +8,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <vector>
 
+#include "core/half.h"
 #include "test_helpers.h"
 
 namespace dsp {
@@ -59,6 +61,69 @@ TEST(ShmComm, AllReduceClosedForms) {
         c.allReduce(f.data(), out.data(), count,
                     info(Collective::kAllReduce, DType::kFloat32, ReduceOp::kAvg));
         for (float x : out) ASSERT_EQ(x, (n - 1) / 2.0f);
+      }
+    }));
+  }
+}
+
+// Every dtype through both all-reduce algorithms (one-shot and pipelined
+// reduce-scatter + all-gather), as raw bytes: rank r contributes r + 1 in
+// each element, so SUM is n(n+1)/2 and MAX is n exactly in every dtype.
+TEST(ShmComm, AllReduceEveryDTypeBothAlgorithms) {
+  struct Case {
+    DType dt;
+    std::function<void(void*, size_t, int)> fill;
+    std::function<double(const void*, size_t)> read;
+  };
+  auto native = [](auto zero) {
+    using T = decltype(zero);
+    return std::make_pair(
+        std::function<void(void*, size_t, int)>(
+            [](void* p, size_t i, int v) { static_cast<T*>(p)[i] = static_cast<T>(v); }),
+        std::function<double(const void*, size_t)>(
+            [](const void* p, size_t i) { return static_cast<const T*>(p)[i]; }));
+  };
+  std::vector<Case> cases;
+  auto add = [&](DType dt, auto fr) { cases.push_back({dt, fr.first, fr.second}); };
+  add(DType::kFloat32, native(0.f));
+  add(DType::kFloat64, native(0.0));
+  add(DType::kInt8, native(int8_t{0}));
+  add(DType::kUInt8, native(uint8_t{0}));
+  add(DType::kInt16, native(int16_t{0}));
+  add(DType::kInt32, native(int32_t{0}));
+  add(DType::kInt64, native(int64_t{0}));
+  cases.push_back({DType::kFloat16,
+                   [](void* p, size_t i, int v) {
+                     static_cast<uint16_t*>(p)[i] = floatToHalf(static_cast<float>(v));
+                   },
+                   [](const void* p, size_t i) {
+                     return static_cast<double>(
+                         halfToFloat(static_cast<const uint16_t*>(p)[i]));
+                   }});
+  cases.push_back(
+      {DType::kBFloat16,
+       [](void* p, size_t i, int v) {
+         static_cast<uint16_t*>(p)[i] = floatToBfloat16(static_cast<float>(v));
+       },
+       [](const void* p, size_t i) {
+         return static_cast<double>(bfloat16ToFloat(static_cast<const uint16_t*>(p)[i]));
+       }});
+  for (int n : {2, 3}) {
+    expectNoErrors(runRanks(n, [&](ShmComm& c) {
+      for (const Case& k : cases) {
+        for (size_t count : kCounts) {
+          std::vector<char> buf(count * elementSize(k.dt) + 1);
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+            for (size_t i = 0; i < count; ++i) k.fill(buf.data(), i, c.rank() + 1);
+            c.allReduce(buf.data(), buf.data(), count,
+                        info(Collective::kAllReduce, k.dt, op));
+            const double expect = op == ReduceOp::kSum ? n * (n + 1) / 2 : n;
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(k.read(buf.data(), i), expect)
+                  << dtypeName(k.dt) << " " << reduceOpName(op) << " count " << count;
+            }
+          }
+        }
       }
     }));
   }
