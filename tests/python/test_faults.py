@@ -130,6 +130,7 @@ def _segments_body(rank, n):
     # including those of sub-groups.
     g = dist.new_group(backend="dsp")
     dist.barrier(group=g)
+    dist.barrier()  # a completed collective: rank 0 has unlinked the default group's name
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     name = pg.segment_name
     assert name.startswith("/dsp-") and len(name) == len("/dsp-") + 32

@@ -85,7 +85,8 @@ struct ShmOptions {
 class ShmComm {
  public:
   // Rank 0 creates the segment `name`; the others attach to it. Returns after
-  // every rank attached, when rank 0 has already unlinked the name.
+  // every rank attached; rank 0 unlinks the name before it returns, so once
+  // any rank's first collective has completed the name is gone.
   ShmComm(const std::string& name, int rank, int size, ShmOptions options);
   ~ShmComm();
   ShmComm(const ShmComm&) = delete;
