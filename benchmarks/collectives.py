@@ -10,8 +10,8 @@ exactly representable values) for each backend, and the ratio of gloo's time
 to ours. Conventions as nccl-tests: `size` is the bytes of the largest buffer
 (all_gather: the output; reduce_scatter: the input); busbw = algbw x 2(n-1)/n
 for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
-Each rank's time is the mean over the timed iterations; the reported time is
-the slowest rank's. Warm-up iterations come first.
+Warm-up iterations come first; then three timed rounds, each reporting the
+slowest rank's mean time per call; the median round is printed.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }
-TIME_BUDGET_S = 0.3  # per measurement, after warm-up
+TIME_BUDGET_S = 0.45  # per measurement, after warm-up
+ROUNDS = 3  # timed rounds; the median is reported
 
 
 def parse_bytes(s: str) -> int:
@@ -120,8 +121,8 @@ def _make_op(name, n, rank, size_bytes, group):
     return run, check
 
 
-def _time(run, dsp_group, size_bytes):
-    """Mean seconds per call on the slowest rank."""
+def _time(run, size_bytes):
+    """Seconds per call: the median over ROUNDS rounds of the slowest rank's mean."""
     import torch
     import torch.distributed as dist
 
@@ -129,21 +130,24 @@ def _time(run, dsp_group, size_bytes):
     for _ in range(warm):
         run()
     # Agree on an iteration count from a short probe so every rank runs the same.
-    dist.barrier(group=dsp_group)
+    dist.barrier()
     t0 = time.perf_counter()
     probe = 2
     for _ in range(probe):
         run()
     per = torch.tensor([(time.perf_counter() - t0) / probe])
-    dist.all_reduce(per, op=dist.ReduceOp.MAX, group=dsp_group)
-    iters = int(min(5000, max(3, TIME_BUDGET_S / max(per.item(), 1e-7))))
-    dist.barrier(group=dsp_group)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    mine = torch.tensor([(time.perf_counter() - t0) / iters])
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=dsp_group)
-    return mine.item()
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)
+    iters = int(min(2000, max(2, TIME_BUDGET_S / ROUNDS / max(per.item(), 1e-7))))
+    rounds = []
+    for _ in range(ROUNDS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        mine = torch.tensor([(time.perf_counter() - t0) / iters])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        rounds.append(mine.item())
+    return sorted(rounds)[len(rounds) // 2]
 
 
 def _worker(rank, n, port, collectives, sizes, results):
@@ -170,7 +174,7 @@ def _worker(rank, n, port, collectives, sizes, results):
                 run, check = _make_op(coll, n, rank, size, group)
                 wrong = torch.tensor([check()])
                 dist.all_reduce(wrong, group=None)
-                secs = _time(run, None, size)
+                secs = _time(run, size)
                 row[name] = {"us": secs * 1e6, "wrong": int(wrong.item())}
                 del run, check
             rows.append(row)

@@ -3,7 +3,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/process_group_dsp.h"
-#include "core/shm/wait.h"
 
 namespace py = pybind11;
 
@@ -23,7 +22,4 @@ PYBIND11_MODULE(_C, m) {
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName);
-
-  m.def("tune_waiting", &dsp::tuneWaiting, py::arg("spins"), py::arg("yields"),
-        "Spin and yield budgets of the shared-memory wait (negative: default).");
 }

@@ -22,6 +22,16 @@ size_t envBytes(const char* name, size_t fallback) {
   return static_cast<size_t>(x);
 }
 
+int envInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  TORCH_CHECK(end != v && *end == '\0' && x >= 0, "dsp: ", name,
+              " must be a non-negative integer, got '", v, "'");
+  return static_cast<int>(x);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -77,6 +87,8 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.chunk_bytes = envBytes("DSP_CHUNK_BYTES", options.chunk_bytes);
   options.one_shot_max_bytes = envBytes("DSP_ONE_SHOT_BYTES", options.one_shot_max_bytes);
   options.timeout = timeout;
+  options.spins = envInt("DSP_SPINS", options.spins);
+  options.yields = envInt("DSP_YIELDS", options.yields);
   // The store handed to a backend is already prefixed per group, so each
   // group (and each job, with its own store) gets its own segment.
   if (rank == 0) {

@@ -132,6 +132,9 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
                                 std::to_string(kMaxRanks) + " ranks per host)");
   }
   options_.chunk_bytes = roundUp(std::max<size_t>(options_.chunk_bytes, kPage), kPage);
+  wait_policy_ = defaultWaitPolicy(size);
+  if (options_.spins >= 0) wait_policy_.spins = options_.spins;
+  if (options_.yields >= 0) wait_policy_.yields = options_.yields;
   const size_t bytes = Layout::total(size, slotBytes());
   deadline_ = std::chrono::steady_clock::now() + options_.timeout;
   if (rank == 0) {
@@ -219,7 +222,7 @@ void ShmComm::arriveAndWait(uint32_t step) {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const RankControl& peer = control(r);
-    const WaitResult res = waitFor(peer.step, step, deadline_,
+    const WaitResult res = waitFor(peer.step, step, deadline_, wait_policy_,
                                    [&peer] { return processAlive(peer.pid.load()); });
     if (res != WaitResult::kReached) {
       failWaiting(step, res == WaitResult::kCancelled);

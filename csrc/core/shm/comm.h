@@ -33,6 +33,7 @@
 
 #include "../reduce.h"
 #include "segment.h"
+#include "wait.h"
 
 namespace dsp {
 
@@ -80,6 +81,9 @@ struct ShmOptions {
   // then all-gather (each rank reduces 1/n).
   size_t one_shot_max_bytes = size_t{256} << 10;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  // Spin/yield budgets before sleeping; negative: defaultWaitPolicy(size).
+  int spins = -1;
+  int yields = -1;
 };
 
 class ShmComm {
@@ -151,6 +155,7 @@ class ShmComm {
   uint64_t seq_ = 0;
   Collective current_ = Collective::kInit;
   std::chrono::steady_clock::time_point deadline_;
+  WaitPolicy wait_policy_;
   std::vector<int> peer_pids_;
   std::string broken_;  // non-empty: why this comm refuses work
 };

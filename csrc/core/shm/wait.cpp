@@ -20,14 +20,13 @@
 namespace dsp {
 namespace {
 
-// Defaults measured on the 2-core reference machine: a peer that is running
-// arrives within a few microseconds; past that it is probably descheduled and
-// spinning only delays it.
-constexpr int kDefaultSpins = 2000;
-constexpr int kDefaultYields = 16;
-
-std::atomic<int> gSpins{kDefaultSpins};
-std::atomic<int> gYields{kDefaultYields};
+// Budgets measured on the 2-core reference machine (benchmarks/collectives.py,
+// 2 and 4 ranks). With a core per rank, a running peer arrives within a few
+// microseconds; past that it is probably descheduled. With more ranks than
+// cores, spinning only delays the peer, while a yield that finds nobody else
+// runnable costs under a microsecond.
+constexpr WaitPolicy kDedicatedCores{2000, 64};
+constexpr WaitPolicy kOversubscribed{16, 4000};
 
 // Shared (not FUTEX_PRIVATE) futexes: the word lives in memory mapped by
 // several processes.
@@ -39,9 +38,13 @@ long futex(const std::atomic<uint32_t>* addr, int op, uint32_t val,
 
 }  // namespace
 
-void tuneWaiting(int spins, int yields) {
-  gSpins.store(spins < 0 ? kDefaultSpins : spins);
-  gYields.store(yields < 0 ? kDefaultYields : yields);
+WaitPolicy defaultWaitPolicy(int ranks) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  int cpus = 0;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
+  if (cpus <= 0) cpus = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  return ranks > cpus ? kOversubscribed : kDedicatedCores;
 }
 
 void advance(WaitWord& word, uint32_t value) {
@@ -56,14 +59,12 @@ void advance(WaitWord& word, uint32_t value) {
 
 namespace detail {
 
-bool spinThenYield(const WaitWord& word, uint32_t target) {
-  const int spins = gSpins.load(std::memory_order_relaxed);
-  for (int i = 0; i < spins; ++i) {
+bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy) {
+  for (int i = 0; i < policy.spins; ++i) {
     if (reached(word.value.load(std::memory_order_acquire), target)) return true;
     DSP_CPU_RELAX();
   }
-  const int yields = gYields.load(std::memory_order_relaxed);
-  for (int i = 0; i < yields; ++i) {
+  for (int i = 0; i < policy.yields; ++i) {
     if (reached(word.value.load(std::memory_order_acquire), target)) return true;
     sched_yield();
   }

@@ -33,18 +33,27 @@ void advance(WaitWord& word, uint32_t value);
 
 enum class WaitResult { kReached, kTimedOut, kCancelled };
 
+// How long a waiter stays awake before it sleeps on the futex.
+struct WaitPolicy {
+  int spins;   // pause-spins: cheapest, right when the peer runs on another core
+  int yields;  // sched_yield calls: hand the core to a runnable peer
+};
+
+// The policy for `ranks` processes sharing this host's CPUs: with a core
+// each, spin (a peer is microseconds away); with more ranks than cores, yield
+// almost at once, since the peer we wait for may need this very core.
+WaitPolicy defaultWaitPolicy(int ranks);
+
 // Waits until word.value reaches target or the deadline passes. `still_ok` is
 // polled while asleep (every few ms): returning false cancels the wait (a
-// dead peer). Spin and yield budgets are set by tuneWaiting.
+// dead peer).
 template <typename StillOk>
 WaitResult waitFor(const WaitWord& word, uint32_t target,
-                   std::chrono::steady_clock::time_point deadline, StillOk&& still_ok);
-
-// Number of pause-spins and sched_yields before sleeping.
-void tuneWaiting(int spins, int yields);
+                   std::chrono::steady_clock::time_point deadline,
+                   const WaitPolicy& policy, StillOk&& still_ok);
 
 namespace detail {
-bool spinThenYield(const WaitWord& word, uint32_t target);
+bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy);
 // One futex sleep of at most `slice`; returns when woken, on timeout or
 // spuriously. The caller re-checks.
 void sleepOnce(const WaitWord& word, uint32_t observed, std::chrono::microseconds slice);
@@ -52,8 +61,9 @@ void sleepOnce(const WaitWord& word, uint32_t observed, std::chrono::microsecond
 
 template <typename StillOk>
 WaitResult waitFor(const WaitWord& word, uint32_t target,
-                   std::chrono::steady_clock::time_point deadline, StillOk&& still_ok) {
-  if (detail::spinThenYield(word, target)) return WaitResult::kReached;
+                   std::chrono::steady_clock::time_point deadline,
+                   const WaitPolicy& policy, StillOk&& still_ok) {
+  if (detail::spinThenYield(word, target, policy)) return WaitResult::kReached;
   constexpr auto kSleepSlice = std::chrono::milliseconds(5);
   for (;;) {
     const uint32_t v = word.value.load(std::memory_order_acquire);
