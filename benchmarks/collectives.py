@@ -158,11 +158,15 @@ def _worker(rank, n, port, collectives, sizes, results):
         WORLD_SIZE=str(n),
         OMP_NUM_THREADS="1",
     )
+    import warnings
+
     import torch
     import torch.distributed as dist
 
     import dsparallel  # noqa: F401
 
+    # torch 2.13 marks the *_tensor collectives deprecated; they are what we measure.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     dist.init_process_group("dsp", rank=rank, world_size=n)
     groups = {"dsp": None, "gloo": dist.new_group(backend="gloo")}
@@ -276,14 +280,18 @@ def _plot(rows, path):
     except ImportError:
         print(f"--plot: matplotlib is not installed; {path} not written")
         return
-    keys = sorted({(r["collective"], r["world"]) for r in rows})
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
-    for ax, (coll, n) in zip(axes[0], keys):
+    colls = sorted({r["collective"] for r in rows})
+    worlds = sorted({r["world"] for r in rows})
+    fig, axes = plt.subplots(
+        len(worlds), len(colls), figsize=(4.5 * len(colls), 3.6 * len(worlds)), squeeze=False
+    )
+    for (i, n), (j, coll) in ((iw, jc) for iw in enumerate(worlds) for jc in enumerate(colls)):
+        ax = axes[i][j]
         sel = [r for r in rows if r["collective"] == coll and r["world"] == n]
         xs = [r["bytes"] for r in sel]
         for name in ("dsp", "gloo"):
             ax.plot(xs, [_bw(r, name)[1] for r in sel], marker="o", label=name)
-        if all("mpi_us" in r for r in sel):
+        if sel and all("mpi_us" in r for r in sel):
             ax.plot(
                 xs,
                 [r["bytes"] / (r["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR[coll](n) for r in sel],
