@@ -14,7 +14,13 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def sources():
-    patterns = ["csrc/core/**/*.cpp", "csrc/backend/*.cpp", "csrc/bindings.cpp"]
+    patterns = [
+        "csrc/core/**/*.cpp",
+        "csrc/backend/*.cpp",
+        "csrc/ddp/*.cpp",
+        "csrc/ops/*.cpp",
+        "csrc/bindings.cpp",
+    ]
     found = []
     for p in patterns:
         found += sorted(glob.glob(os.path.join(ROOT, p), recursive=True))

@@ -1,8 +1,10 @@
 // dsparallel._C: the one Python module of the extension.
 #include <pybind11/chrono.h>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/process_group_dsp.h"
+#include "ddp/reducer.h"
 
 namespace py = pybind11;
 
@@ -22,4 +24,32 @@ PYBIND11_MODULE(_C, m) {
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName);
+
+  py::class_<dsparallel::Reducer>(m, "Reducer")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       c10::intrusive_ptr<c10d::ProcessGroup> group,
+                       std::vector<size_t> bucket_caps, bool find_unused,
+                       bool gradient_as_bucket_view, bool static_graph) {
+             dsparallel::ReducerOptions o;
+             o.bucket_caps = std::move(bucket_caps);
+             o.find_unused_parameters = find_unused;
+             o.gradient_as_bucket_view = gradient_as_bucket_view;
+             o.static_graph = static_graph;
+             return std::make_unique<dsparallel::Reducer>(
+                 std::move(params), std::move(names), std::move(group), std::move(o));
+           }),
+           py::arg("params"), py::arg("names"), py::arg("group"), py::arg("bucket_caps"),
+           py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
+           py::arg("static_graph"))
+      .def("prepare_for_backward", &dsparallel::Reducer::prepareForBackward,
+           py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "register_comm_hook",
+          [](dsparallel::Reducer& r, py::object state, py::object hook) {
+            r.registerCommHook(std::make_unique<c10d::PythonCommHook>(std::move(state),
+                                                                      std::move(hook)));
+          },
+          py::arg("state"), py::arg("hook"))
+      .def("bucket_indices", &dsparallel::Reducer::bucketIndices)
+      .def_property_readonly("buckets_rebuilt", &dsparallel::Reducer::bucketsRebuilt);
 }

@@ -5,9 +5,17 @@ Importing the package registers the torch.distributed backend ``"dsp"``.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import backend
+from . import backend, comm_hooks
+from .ddp import DDP, DistributedDataParallel
+from .ops import fused_all_reduce
 
 backend.register()
 
 __version__ = "0.1.0"
-__all__ = ["backend"]
+__all__ = [
+    "DDP",
+    "DistributedDataParallel",
+    "backend",
+    "comm_hooks",
+    "fused_all_reduce",
+]

@@ -1,0 +1,53 @@
+#include "flat_bucket.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace dsparallel {
+
+FlatBucket FlatBucket::make(const std::vector<at::Tensor>& tensors,
+                            std::vector<size_t> members) {
+  TORCH_INTERNAL_ASSERT(!members.empty(), "empty bucket");
+  FlatBucket b;
+  b.members = std::move(members);
+  int64_t total = 0;
+  const at::Tensor& first = tensors[b.members.front()];
+  for (size_t idx : b.members) {
+    const at::Tensor& t = tensors[idx];
+    TORCH_INTERNAL_ASSERT(
+        t.scalar_type() == first.scalar_type() && t.device() == first.device(),
+        "a bucket mixes dtypes or devices");
+    b.offsets.push_back(total);
+    b.lengths.push_back(t.numel());
+    total += t.numel();
+  }
+  b.flat = at::zeros({total}, first.options().requires_grad(false));
+  return b;
+}
+
+at::Tensor FlatBucket::view(size_t k, const at::Tensor& like) const {
+  return flat.narrow(0, offsets[k], lengths[k]).view(like.sizes());
+}
+
+void FlatBucket::pack(const std::vector<at::Tensor>& tensors) {
+  for (size_t k = 0; k < members.size(); ++k) {
+    const at::Tensor& t = tensors[members[k]];
+    view(k, t).copy_(t);
+  }
+}
+
+void FlatBucket::unpack(const std::vector<at::Tensor>& tensors) const {
+  for (size_t k = 0; k < members.size(); ++k) {
+    const at::Tensor& t = tensors[members[k]];
+    t.copy_(view(k, t));
+  }
+}
+
+int64_t bucketGroupOf(const at::Tensor& t) {
+  // dtype in the low bits, device type and index above: distinct per pair.
+  return static_cast<int64_t>(t.scalar_type()) |
+         (static_cast<int64_t>(t.device().type()) << 8) |
+         (static_cast<int64_t>(t.device().index() + 1) << 16);
+}
+
+}  // namespace dsparallel

@@ -1,0 +1,348 @@
+#include "reducer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include "core/bucket/assign.h"
+
+namespace dsparallel {
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 c10::intrusive_ptr<c10d::ProcessGroup> group, ReducerOptions options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      group_(std::move(group)),
+      options_(std::move(options)) {
+  TORCH_CHECK(!params_.empty(),
+              "DistributedDataParallel: the module has no parameter that "
+              "requires a gradient");
+  TORCH_CHECK(names_.size() == params_.size(),
+              "Reducer: one name per parameter expected");
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.layout() == c10::kStrided,
+                "DistributedDataParallel: sparse parameters are not supported");
+  }
+  const size_t n = params_.size();
+  ready_.assign(n, false);
+  locally_used_.assign(n, false);
+  hook_counts_.assign(n, 0);
+  hooks_left_.assign(n, 0);
+  buildBuckets(dsp::reverseOrder(n));
+  for (size_t i = 0; i < n; ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "DistributedDataParallel: parameter ", names_[i],
+                " has no gradient accumulator (is it a leaf that requires grad?)");
+    const uintptr_t key =
+        acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, i](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list& /*inputs*/) {
+              autogradHook(i);
+              return outputs;
+            }));
+    hooks_.emplace_back(key, std::move(acc));
+  }
+}
+
+Reducer::~Reducer() {
+  for (auto& [key, acc] : hooks_) acc->del_post_hook(key);
+}
+
+// ---------------------------------------------------------------------------
+// buckets
+
+void Reducer::buildBuckets(const std::vector<size_t>& order) {
+  std::vector<dsp::BucketTensor> sizes;
+  for (const auto& p : params_) sizes.push_back({p.nbytes(), bucketGroupOf(p)});
+  const auto assignment = dsp::assignBuckets(sizes, order, options_.bucket_caps);
+  std::vector<Bucket> buckets;
+  bucket_of_.assign(params_.size(), 0);
+  position_of_.assign(params_.size(), 0);
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket bucket;
+    static_cast<FlatBucket&>(bucket) = FlatBucket::make(params_, assignment[b]);
+    for (size_t k = 0; k < bucket.members.size(); ++k) {
+      bucket_of_[bucket.members[k]] = b;
+      position_of_[bucket.members[k]] = k;
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  buckets_ = std::move(buckets);
+  if (options_.gradient_as_bucket_view) pointGradsAtBucketsLocked();
+}
+
+// .grad becomes a view of the parameter's bucket slice (keeping its value),
+// so the reduced result needs no copy back.
+void Reducer::pointGradsAtBucketsLocked() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined()) continue;
+    at::Tensor view = buckets_[bucket_of_[i]].view(position_of_[i], params_[i]);
+    if (!grad.is_alias_of(view)) {
+      view.copy_(grad);
+      grad = view;
+    }
+  }
+}
+
+void Reducer::maybeRebuildBuckets() {
+  // As torch: rebuild once, unless unused parameters make the order unreliable.
+  const bool allowed = options_.static_graph || !options_.find_unused_parameters;
+  if (rebuilt_ || !allowed || iteration_ == 0) return;
+  rebuilt_ = true;
+  // Complete the observed order with parameters that never became ready.
+  std::vector<bool> listed(params_.size(), false);
+  std::vector<int64_t> order;
+  for (size_t i : ready_order_) {
+    listed[i] = true;
+    order.push_back(static_cast<int64_t>(i));
+  }
+  for (size_t i : dsp::reverseOrder(params_.size())) {
+    if (!listed[i]) order.push_back(static_cast<int64_t>(i));
+  }
+  // Rank 0's order for everyone: the buckets must match across ranks.
+  std::vector<at::Tensor> t = {at::tensor(order, at::kLong).to(params_[0].device())};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = 0;
+  group_->broadcast(t, opts)->wait();
+  const at::Tensor cpu = t[0].cpu();
+  std::vector<size_t> agreed(cpu.data_ptr<int64_t>(),
+                             cpu.data_ptr<int64_t>() + cpu.numel());
+  buildBuckets(agreed);
+}
+
+std::vector<std::vector<size_t>> Reducer::bucketIndices() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.members);
+  return out;
+}
+
+void Reducer::registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!comm_hook_, "register_comm_hook can only be called once");
+  TORCH_CHECK(iteration_ == 0 && !expect_hooks_,
+              "register_comm_hook must be called before the first forward");
+  comm_hook_ = std::move(hook);
+}
+
+// ---------------------------------------------------------------------------
+// one iteration
+
+std::vector<bool> Reducer::unreachableParams(
+    const std::vector<at::Tensor>& outputs) const {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (out.defined() && out.requires_grad() && out.grad_fn())
+      stack.push_back(out.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && !seen.count(edge.function.get()))
+        stack.push_back(edge.function.get());
+    }
+  }
+  std::vector<bool> unreachable(params_.size(), false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    unreachable[i] = !seen.count(hooks_[i].second.get());
+  }
+  return unreachable;
+}
+
+void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (expect_hooks_ && any_hook_fired_) {
+    // A backward began but never finished its reduction (an error inside it).
+    waitLaunchedBuckets();
+  }
+  lock.unlock();
+  maybeRebuildBuckets();  // a collective: outside the lock
+  lock.lock();
+  expect_hooks_ = true;
+  callback_queued_ = false;
+  any_hook_fired_ = false;
+  next_launch_ = 0;
+  std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(locally_used_.begin(), locally_used_.end(), false);
+  for (auto& b : buckets_) {
+    b.pending = b.members.size();
+    b.future.reset();
+  }
+  const bool staticAfterFirst = options_.static_graph && iteration_ > 0;
+  if (staticAfterFirst) {
+    hooks_left_ = hook_counts_;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (hook_counts_[i] == 0) markReadyLocked(i, /*used=*/false);
+    }
+  } else if (options_.find_unused_parameters && !options_.static_graph) {
+    const auto unreachable = unreachableParams(outputs);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (unreachable[i]) markReadyLocked(i, /*used=*/false);
+    }
+  }
+  launchReadyLocked();
+}
+
+void Reducer::autogradHook(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!expect_hooks_) return;  // no_sync, or a backward without a synced forward
+  any_hook_fired_ = true;
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [this] { finalizeBackward(); });
+  }
+  locally_used_[index] = true;
+  if (iteration_ == 0) {
+    if (hook_counts_[index]++ == 0) ready_order_.push_back(index);
+    // The static graph's first iteration only observes; it reduces at the end.
+    if (options_.static_graph) return;
+  }
+  if (options_.static_graph && --hooks_left_[index] > 0) return;
+  TORCH_CHECK(!ready_[index], "Expected to mark a variable ready only once. Parameter ",
+              names_[index],
+              " received its gradient twice in one backward (a shared or "
+              "re-entrant use); pass static_graph=True to DistributedDataParallel if the "
+              "graph is the same every iteration.");
+  markReadyLocked(index, /*used=*/true);
+  launchReadyLocked();
+}
+
+void Reducer::markReadyLocked(size_t index, bool used) {
+  if (ready_[index]) return;
+  ready_[index] = true;
+  Bucket& bucket = buckets_[bucket_of_[index]];
+  at::Tensor view = bucket.view(position_of_[index], params_[index]);
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!used || !grad.defined()) {
+    view.zero_();
+  } else if (!grad.is_alias_of(view)) {
+    view.copy_(grad);
+    if (options_.gradient_as_bucket_view) grad = view;
+  }
+  --bucket.pending;
+}
+
+// Launches every full bucket in bucket order, stopping at the first that is
+// not full: all ranks issue the same collectives in the same order.
+void Reducer::launchReadyLocked() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_];
+    if (comm_hook_) {
+      std::vector<c10::IntArrayRef> sizes;
+      std::vector<at::Tensor> params;
+      std::vector<size_t> offsets, lengths;
+      for (size_t k = 0; k < b.members.size(); ++k) {
+        sizes.push_back(params_[b.members[k]].sizes());
+        params.push_back(params_[b.members[k]]);
+        offsets.push_back(static_cast<size_t>(b.offsets[k]));
+        lengths.push_back(static_cast<size_t>(b.lengths[k]));
+      }
+      c10d::GradBucket gb(next_launch_, buckets_.size(), b.flat, offsets, lengths, sizes,
+                          params, std::nullopt);
+      b.future = comm_hook_->runHook(gb);
+    } else {
+      // torch's default: divide first, then sum (same rounding as torch DDP).
+      b.flat.div_(group_->getSize());
+      std::vector<at::Tensor> t = {b.flat};
+      b.future = group_->allreduce(t)->getFuture();
+    }
+    ++next_launch_;
+  }
+}
+
+void Reducer::waitLaunchedBuckets() {
+  for (size_t b = 0; b < next_launch_; ++b) {
+    if (buckets_[b].future) buckets_[b].future->wait();
+  }
+  expect_hooks_ = false;
+}
+
+void Reducer::failUnreduced() {
+  std::ostringstream names, indices;
+  bool first = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    names << (first ? "" : ", ") << names_[i];
+    indices << (first ? "" : " ") << i;
+    first = false;
+  }
+  waitLaunchedBuckets();
+  TORCH_CHECK(
+      false,
+      "Expected to have finished reduction in the prior iteration before starting a new "
+      "one. This error indicates that your module has parameters that were not used in "
+      "producing loss. You can enable unused parameter detection by passing the keyword "
+      "argument `find_unused_parameters=True` to `DistributedDataParallel`, and by "
+      "making "
+      "sure all `forward` function outputs participate in calculating loss. Parameters "
+      "which did not receive grad for rank ",
+      group_->getRank(), ": ", names.str(),
+      "\nParameter indices which did not receive "
+      "grad for rank ",
+      group_->getRank(), ": ", indices.str());
+}
+
+std::vector<bool> Reducer::globallyUsed() const {
+  std::vector<int32_t> flags(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) flags[i] = locally_used_[i] ? 1 : 0;
+  std::vector<at::Tensor> t = {at::tensor(flags, at::kInt).to(params_[0].device())};
+  group_->allreduce(t)->wait();
+  const at::Tensor used = t[0].cpu();
+  std::vector<bool> out(params_.size());
+  const int* p = used.data_ptr<int>();
+  for (size_t i = 0; i < params_.size(); ++i) out[i] = p[i] > 0;
+  return out;
+}
+
+void Reducer::finalizeBackward() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!expect_hooks_) return;
+  if (options_.static_graph && iteration_ == 0) {
+    // Every hook has fired: mark each parameter once, used or not.
+    for (size_t i = 0; i < params_.size(); ++i) markReadyLocked(i, locally_used_[i]);
+    launchReadyLocked();
+  }
+  if (next_launch_ < buckets_.size()) failUnreduced();
+  expect_hooks_ = false;
+  lock.unlock();
+
+  const bool trackUsage = options_.find_unused_parameters || options_.static_graph;
+  for (auto& b : buckets_) {
+    b.future->wait();
+    if (comm_hook_) {
+      at::Tensor result = comm_hook_->parseHookResult(b.future->value());
+      if (!result.is_same(b.flat)) b.flat.copy_(result);
+    }
+  }
+  const std::vector<bool> used =
+      trackUsage ? globallyUsed() : std::vector<bool>(params_.size(), true);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!used[i]) continue;  // no rank produced a gradient: leave .grad as it is
+    const Bucket& b = buckets_[bucket_of_[i]];
+    at::Tensor view = b.view(position_of_[i], params_[i]);
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (options_.gradient_as_bucket_view) {
+      if (!grad.is_alias_of(view)) {
+        grad = view;
+      }
+    } else if (!grad.defined()) {
+      grad = view.clone();
+    } else {
+      grad.copy_(view);
+    }
+  }
+  ++iteration_;
+}
+
+}  // namespace dsparallel

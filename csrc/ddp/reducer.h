@@ -1,0 +1,105 @@
+// The DDP gradient reducer: fused, bucketed all-reduce overlapped with
+// backward.
+//
+// Per iteration (a forward with gradient sync, then its backward):
+//   prepareForBackward  resets the per-bucket counts; with
+//                       find_unused_parameters, walks the autograd graph from
+//                       the outputs and marks parameters it cannot reach as
+//                       ready (zero gradient).
+//   autograd hook       after a parameter's .grad is accumulated: copy it into
+//                       its bucket (or make .grad a view of it); when a
+//                       bucket is full, launch its all-reduce, strictly in
+//                       bucket order so every rank issues the same sequence.
+//   final callback      (autograd engine, end of backward) waits for every
+//                       bucket and writes the averages back into .grad.
+// After the first iteration the buckets are rebuilt once from the order in
+// which gradients became ready on rank 0 (broadcast, so all ranks agree).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <utility>
+#include <vector>
+
+#include "flat_bucket.h"
+
+namespace dsparallel {
+
+// shared_ptr<Node> before torch 2.12, intrusive_ptr<Node> after.
+using NodePtr =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+struct ReducerOptions {
+  std::vector<size_t> bucket_caps;  // bytes: first bucket, then the rest
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;
+};
+
+class Reducer {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          c10::intrusive_ptr<c10d::ProcessGroup> group, ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called by each forward that will be followed by a synchronising backward.
+  void prepareForBackward(const std::vector<at::Tensor>& outputs);
+  void registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook);
+
+  // Parameter indices per bucket, in launch order (for tests and logs).
+  std::vector<std::vector<size_t>> bucketIndices() const;
+  bool bucketsRebuilt() const { return rebuilt_; }
+
+ private:
+  struct Bucket : FlatBucket {
+    size_t pending = 0;
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+  };
+
+  void autogradHook(size_t index);
+  void markReadyLocked(size_t index, bool used);
+  void launchReadyLocked();
+  void finalizeBackward();
+  void buildBuckets(const std::vector<size_t>& order);
+  void maybeRebuildBuckets();
+  void pointGradsAtBucketsLocked();
+  std::vector<bool> unreachableParams(const std::vector<at::Tensor>& outputs) const;
+  std::vector<bool> globallyUsed() const;
+  void waitLaunchedBuckets();
+  [[noreturn]] void failUnreduced();
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  ReducerOptions options_;
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+
+  std::vector<std::pair<uintptr_t, NodePtr>> hooks_;
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;    // param -> bucket
+  std::vector<size_t> position_of_;  // param -> member index in its bucket
+
+  mutable std::mutex mutex_;
+  bool expect_hooks_ = false;     // a synced backward is expected
+  bool callback_queued_ = false;  // final callback queued this backward
+  bool any_hook_fired_ = false;
+  size_t next_launch_ = 0;
+  std::vector<bool> ready_;
+  std::vector<bool> locally_used_;
+  std::vector<int> hooks_left_;      // static graph: hook firings still expected
+  std::vector<int> hook_counts_;     // static graph: firings seen in iteration 0
+  std::vector<size_t> ready_order_;  // first iteration, for the rebuild
+  int64_t iteration_ = 0;
+  bool rebuilt_ = false;
+};
+
+}  // namespace dsparallel

@@ -1,0 +1,209 @@
+"""dsparallel.DistributedDataParallel: torch's DDP, with the reducer in C++.
+
+Changing the import is the whole migration: the constructor takes torch's
+arguments, ``module``, ``no_sync()``, ``register_comm_hook`` and the
+``state_dict`` keys (``module.`` prefix) are torch's. Gradients are reduced
+in fused buckets whose all-reduce is launched the moment the bucket fills,
+overlapping the rest of backward (see csrc/ddp/reducer.h).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+
+_MB = 1024 * 1024
+_DEFAULT_FIRST_BUCKET_BYTES = 1 * _MB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+_DEFAULT_BUCKET_CAP_MB = 25
+_BROADCAST_BUCKET_BYTES = 250 * _MB
+
+# Arguments torch's DDP accepts beyond DESIGN.md's list; passing one with a
+# non-default value raises instead of being silently ignored.
+_UNSUPPORTED_KWARGS = {
+    "init_sync": True,
+    "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None,
+    "mixed_precision": None,
+    "device_mesh": None,
+    "skip_all_reduce_unused_params": False,
+}
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """All tensors in a (nested) forward output, for the unused-parameter search."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_in(o)]
+    return []
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over a process group; a drop-in for torch's DDP.
+
+    Every rank holds a replica of ``module``; each backward averages the
+    gradients across ranks so that the replicas stay identical.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group=None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        **kwargs,
+    ):
+        super().__init__()
+        for name, value in kwargs.items():
+            if name not in _UNSUPPORTED_KWARGS:
+                raise TypeError(f"DistributedDataParallel got an unexpected argument {name!r}")
+            if value != _UNSUPPORTED_KWARGS[name]:
+                raise NotImplementedError(
+                    f"dsparallel.DistributedDataParallel does not support {name}={value!r} yet"
+                )
+        self._check_devices(module, device_ids, output_device)
+        if dim != 0:
+            raise NotImplementedError(
+                "dim != 0 only matters for multi-device modules, "
+                "which dsparallel.DistributedDataParallel does not support"
+            )
+        del check_reduction  # deprecated and ignored by torch as well
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        if self.process_group is None:
+            raise RuntimeError(
+                "DistributedDataParallel needs an initialised process group: "
+                "call torch.distributed.init_process_group first"
+            )
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module "
+                "doesn't have any parameter that requires a gradient."
+            )
+        self._verify_same_model(named)
+        self._sync_module_states()
+
+        cap_mb = _DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        cap = max(1, int(cap_mb * _MB))
+        self.reducer = _C.Reducer(
+            [p for _, p in named],
+            [n for n, _ in named],
+            self.process_group,
+            [min(_DEFAULT_FIRST_BUCKET_BYTES, cap), cap],
+            find_unused_parameters,
+            gradient_as_bucket_view,
+            static_graph,
+        )
+
+    # ---------------------------------------------------------------- set-up
+
+    @staticmethod
+    def _check_devices(module, device_ids, output_device):
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise NotImplementedError(
+                f"DistributedDataParallel: the module's parameters span devices {devices}; "
+                "multi-device modules are not supported"
+            )
+        device = next(iter(devices)) if devices else torch.device("cpu")
+        if device.type == "cpu" and device_ids:
+            raise ValueError(
+                f"DistributedDataParallel device_ids must be None for CPU modules, got {device_ids}"
+            )
+        if device_ids and len(device_ids) > 1:
+            raise NotImplementedError("device_ids must hold at most one device")
+        if device_ids and torch.device(device_ids[0]) != device:
+            raise ValueError(f"device_ids={device_ids} but the module lives on {device}")
+        del output_device  # single-device modules: outputs stay where they are
+
+    def _verify_same_model(self, named):
+        """Refuses models whose parameters differ across ranks, naming the first one."""
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        world = dist.get_world_size(self.process_group)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        ref = everyone[0]
+        for rank, theirs in enumerate(everyone):
+            if len(theirs) != len(ref):
+                raise RuntimeError(
+                    f"DistributedDataParallel: rank {rank} has {len(theirs)} parameters that "
+                    f"require grad but rank 0 has {len(ref)}: every rank must wrap the same model"
+                )
+            for (n0, s0, d0), (n1, s1, d1) in zip(ref, theirs):
+                if (n0, s0, d0) != (n1, s1, d1):
+                    raise RuntimeError(
+                        f"DistributedDataParallel: parameter {n1!r} is {d1}{list(s1)} on rank "
+                        f"{rank} but parameter {n0!r} is {d0}{list(s0)} on rank 0: every rank "
+                        "must wrap the same model"
+                    )
+
+    def _sync_module_states(self):
+        """Parameters and buffers start as rank 0's."""
+        tensors = [p.detach() for p in self.module.parameters()]
+        tensors += [b.detach() for b in self.module.buffers()]
+        if tensors and dist.get_world_size(self.process_group) > 1:
+            dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+
+    # ---------------------------------------------------------------- training
+
+    def forward(self, *inputs, **kwargs):
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            buffers = [b.detach() for b in self.module.buffers()]
+            if buffers and dist.get_world_size(self.process_group) > 1:
+                dist._broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            outputs = _tensors_in(output) if self.find_unused_parameters else []
+            self.reducer.prepare_for_backward(outputs)
+        return output
+
+    @contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally inside; the first backward after syncs them."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """``hook(state, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]``.
+
+        Called for each bucket instead of the built-in averaging all-reduce; the
+        future's tensor replaces the bucket. Torch's hooks and
+        :mod:`dsparallel.comm_hooks` both fit. Call before the first forward.
+        """
+        if not callable(hook):
+            raise TypeError("register_comm_hook: hook must be callable")
+        self.reducer.register_comm_hook(state, hook)
+
+    def bucket_indices(self) -> list[list[int]]:
+        """Parameter indices per bucket, in launch order."""
+        return self.reducer.bucket_indices()
+
+
+DDP = DistributedDataParallel

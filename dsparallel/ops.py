@@ -1,0 +1,37 @@
+"""Typed wrappers over the C++ ops in ``torch.ops.dsparallel`` and their fake
+(meta) kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C  # noqa: F401  (registers the ops)
+
+
+@torch.library.register_fake("dsparallel::fused_all_reduce")
+def _fused_all_reduce_fake(tensors, op, group_name, bucket_cap_bytes):
+    return None
+
+
+def fused_all_reduce(
+    tensors: Sequence[torch.Tensor],
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25,
+) -> None:
+    """All-reduces ``tensors`` in place, packed into as few flat buckets as fit.
+
+    One collective per bucket of at most ``bucket_cap_mb`` (tensors are never
+    split; dtypes and devices get their own buckets), all launched before
+    any is awaited. ``op`` is ``"sum"`` or ``"avg"``. For users who accumulate
+    gradients by hand: ``fused_all_reduce([p.grad for p in params], op="avg")``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("fused_all_reduce needs an initialised process group")
+    torch.ops.dsparallel.fused_all_reduce(
+        list(tensors), op, group.group_name, max(1, int(bucket_cap_mb * 1024 * 1024))
+    )
