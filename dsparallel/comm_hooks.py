@@ -2,9 +2,9 @@
 
 They fit both ``dsparallel.DistributedDataParallel.register_comm_hook`` and
 torch's. ``process_group`` is the state argument (None: the default group).
+Annotations are real objects here (no postponed evaluation): torch's DDP
+checks that ``bucket`` is annotated ``dist.GradBucket``.
 """
-
-from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ def _group(process_group):
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future:
+def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket: divide by the world size, then sum across ranks."""
     group = _group(process_group)
     buffer = bucket.buffer()
@@ -24,7 +24,7 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
 
 
 def _compress_hook(dtype):
-    def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future:
+    def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = _group(process_group)
         buffer = bucket.buffer()
         # Divide before compressing: the sum of n values must fit the format.
