@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec torchrun --standalone --nproc-per-node "${NPROC:-2}" examples/train_ddp.py "$@"
+exec torchrun --standalone --nproc-per-node "${NPROC:-2}" examples/ddp_simple.py "$@"

@@ -1,12 +1,13 @@
 """Data-parallel training on the CPU over the "dsp" backend.
 
-    torchrun --nproc-per-node 2 examples/train_ddp.py
+    torchrun --nproc-per-node 2 examples/ddp_simple.py
 
 A small MLP learns a fixed random teacher network (the data is generated
 here, nothing is downloaded). Each rank trains on its own shard of every
-batch; torch's DistributedDataParallel averages the gradients over "dsp"
-(dsparallel's own DDP replaces it once it lands). Rank 0 prints the loss; at
-the end every rank checks that its parameters equal rank 0's.
+batch; dsparallel.DistributedDataParallel averages the gradients in fused
+buckets overlapped with backward (``--ddp torch`` uses torch's DDP instead,
+``--backend gloo`` the gloo backend). Rank 0 prints the loss; at the end
+every rank checks that its parameters equal rank 0's.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+import torch.nn.parallel
 
-import dsparallel  # noqa: F401  (registers the "dsp" backend)
+import dsparallel  # registers the "dsp" backend
 
 
 def make_model(width: int) -> torch.nn.Module:
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--backend", default="dsp")
+    parser.add_argument("--ddp", choices=["dsparallel", "torch"], default="dsparallel")
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
@@ -48,7 +50,12 @@ def main() -> None:
 
     torch.manual_seed(0)  # same teacher and same initial student everywhere
     teacher = make_model(64).requires_grad_(False)
-    model = DistributedDataParallel(make_model(args.width))
+    wrapper = (
+        dsparallel.DistributedDataParallel
+        if args.ddp == "dsparallel"
+        else torch.nn.parallel.DistributedDataParallel
+    )
+    model = wrapper(make_model(args.width))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     data_gen = torch.Generator().manual_seed(1)  # same global batch on every rank
@@ -79,7 +86,7 @@ def main() -> None:
             raise RuntimeError(f"rank {rank}: parameters diverged from rank 0")
     if rank == 0:
         print(
-            f"done: {world} ranks over '{args.backend}', {args.steps} steps in "
+            f"done: {args.ddp} DDP, {world} ranks over '{args.backend}', {args.steps} steps in "
             f"{elapsed:.1f}s ({args.steps * args.batch_size / elapsed:.0f} samples/s), "
             f"loss {first:.4f} -> {last:.4f}; replicas identical"
         )

@@ -1,0 +1,40 @@
+"""Every example runs to completion under torchrun (small sizes)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_utils import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _torchrun(script, *args, nproc=2):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        os.path.join(ROOT, "examples", script),
+        *args,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("ddp", ["dsparallel", "torch"])
+def test_ddp_simple(ddp):
+    out = _torchrun("ddp_simple.py", "--steps", "150", "--ddp", ddp)
+    assert "replicas identical" in out
+
+
+def test_gradient_accumulation():
+    out = _torchrun("gradient_accumulation.py", "--steps", "120", "--micro-batches", "3")
+    assert "loss" in out and "done" in out
