@@ -252,13 +252,26 @@ void Reducer::launchReadyLocked() {
                           params, std::nullopt);
       b.future = comm_hook_->runHook(gb);
     } else {
-      // torch's default: divide first, then sum (same rounding as torch DDP).
-      b.flat.div_(group_->getSize());
       std::vector<at::Tensor> t = {b.flat};
-      b.future = group_->allreduce(t)->getFuture();
+      c10d::AllreduceOptions opts;
+      if (fusedAverage(b.flat)) {
+        opts.reduceOp =
+            c10d::ReduceOp::AVG;  // divided inside the reduction: no extra pass
+      } else {
+        b.flat.div_(group_->getSize());  // torch's default: divide, then sum
+      }
+      b.future = group_->allreduce(t, opts)->getFuture();
     }
     ++next_launch_;
   }
+}
+
+bool Reducer::fusedAverage(const at::Tensor& flat) const {
+  // Backends whose all-reduce supports AVG for floating types average in the
+  // same pass; gloo does not.
+  if (!at::isFloatingType(flat.scalar_type())) return false;
+  const std::string name = group_->getBackend(flat.device().type())->getBackendName();
+  return name == "dsp" || name == "nccl";
 }
 
 void Reducer::waitLaunchedBuckets() {

@@ -68,6 +68,7 @@ class Reducer {
   void autogradHook(size_t index);
   void markReadyLocked(size_t index, bool used);
   void launchReadyLocked();
+  bool fusedAverage(const at::Tensor& flat) const;
   void finalizeBackward();
   void buildBuckets(const std::vector<size_t>& order);
   void maybeRebuildBuckets();

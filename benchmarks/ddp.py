@@ -1,0 +1,205 @@
+"""DDP step time: torch's DDP and dsparallel's, over gloo and "dsp", in one run.
+
+    python benchmarks/ddp.py [--world 2] [--steps 8] [--json out.json]
+
+Two models: a communication-bound MLP (~50M parameters, small batch) and a
+compute-bound conv net (small parameters, larger batch). For each model it
+measures, per configuration, the median step time (forward, backward with
+gradient sync, SGD step; the slowest rank's time per step), and:
+
+  local   the same step with no communication at all (the module alone,
+          forward, backward and SGD step)
+  comm    all-reducing the gradients' bytes alone, as 25 MB buckets
+  hidden  how much of `comm` the overlap hid: 1 - (step - local) / comm
+
+Ratios are against torch DDP over gloo, the configuration users would
+otherwise run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+
+CONFIGS = [("torch", "gloo"), ("torch", "dsp"), ("dsparallel", "gloo"), ("dsparallel", "dsp")]
+
+
+def comm_bound_model():
+    import torch.nn as nn
+
+    width, depth = 3584, 4  # 4 x 3584^2 ~ 51M parameters
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1]), (8, width)
+
+
+def compute_bound_model():
+    import torch.nn as nn
+
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 16, 10),
+    )
+    return model, (32, 3, 48, 48)
+
+
+MODELS = {"comm-bound MLP 51M": comm_bound_model, "compute-bound conv": compute_bound_model}
+
+
+def _time_steps(step, steps, warmup):
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def _worker(rank, world, port, steps, warmup, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    import dsparallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("dsp", rank=rank, world_size=world)
+    groups = {"dsp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    wrappers = {
+        "torch": torch.nn.parallel.DistributedDataParallel,
+        "dsparallel": dsparallel.DistributedDataParallel,
+    }
+    rows = []
+    for model_name, make in MODELS.items():
+        torch.manual_seed(0)
+        model, shape = make()
+        x = torch.randn(*shape)
+
+        plain_opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def plain_step(module=model, x=x, opt=plain_opt):
+            opt.zero_grad(set_to_none=True)
+            module(x).square().mean().backward()
+            opt.step()
+
+        local = _time_steps(plain_step, steps, warmup)
+        # Communication alone: the gradients' bytes as 25 MB buckets (DDP's
+        # cap), preallocated, all launched then awaited, as the reducer does.
+        numel = sum(p.numel() for p in model.parameters())
+        cap = 25 * 1024 * 1024 // 4
+        buckets = [torch.zeros(min(cap, numel - i)) for i in range(0, numel, cap)]
+
+        def comm_alone(group, buckets=buckets):
+            works = [dist.all_reduce(b, group=group, async_op=True) for b in buckets]
+            for w in works:
+                w.wait()
+
+        row = {
+            "model": model_name,
+            "params": sum(p.numel() for p in model.parameters()),
+            "local_s": local,
+        }
+        for backend in ("gloo", "dsp"):
+            row[f"comm_{backend}_s"] = _time_steps(
+                lambda b=backend: comm_alone(groups[b]),
+                steps,
+                warmup,
+            )
+        for ddp_name, backend in CONFIGS:
+            torch.manual_seed(0)
+            replica, _ = make()
+            ddp = wrappers[ddp_name](replica, process_group=groups[backend])
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+            def step(ddp=ddp, opt=opt, x=x):
+                opt.zero_grad(set_to_none=True)
+                ddp(x).square().mean().backward()
+                opt.step()
+
+            row[f"{ddp_name}/{backend}_s"] = _time_steps(step, steps, warmup)
+            del ddp, opt, replica
+        rows.append(row)
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def _format(rows):
+    lines = []
+    base_key = "torch/gloo_s"
+    for r in rows:
+        lines.append(
+            f"\n{r['model']}: {r['params'] / 1e6:.2f}M parameters; "
+            f"local step (no communication) {r['local_s'] * 1e3:.1f} ms"
+        )
+        lines.append(
+            f"{'configuration':>24} {'step ms':>9} {'vs torch/gloo':>14} "
+            f"{'comm alone ms':>14} {'hidden':>7}"
+        )
+        for ddp_name, backend in CONFIGS:
+            step = r[f"{ddp_name}/{backend}_s"]
+            comm = r[f"comm_{backend}_s"]
+            hidden = 1 - max(0.0, step - r["local_s"]) / comm if comm > 0 else float("nan")
+            lines.append(
+                f"{ddp_name + ' DDP / ' + backend:>24} {step * 1e3:>9.1f} "
+                f"{step / r[base_key]:>13.2f}x {comm * 1e3:>14.1f} "
+                f"{max(0.0, hidden) * 100:>6.0f}%"
+            )
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.world, port, args.steps, args.warmup, results))
+        for r in range(args.world)
+    ]
+    for p in procs:
+        p.start()
+    rows = results.get()
+    for p in procs:
+        p.join()
+    print(f"DDP step time, {args.world} ranks, median of {args.steps} steps")
+    print(_format(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
