@@ -161,8 +161,10 @@ std::vector<bool> Reducer::unreachableParams(
 
 void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (expect_hooks_ && any_hook_fired_) {
-    // A backward began but never finished its reduction (an error inside it).
+  if (expect_hooks_) {
+    // The previous synced forward had no (complete) backward: finish what it
+    // launched (buckets of unused parameters, or those before an error) so
+    // no collective is left in flight on a buffer about to be reused.
     waitLaunchedBuckets();
   }
   lock.unlock();
@@ -170,7 +172,6 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   lock.lock();
   expect_hooks_ = true;
   callback_queued_ = false;
-  any_hook_fired_ = false;
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(locally_used_.begin(), locally_used_.end(), false);
@@ -196,7 +197,6 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
 void Reducer::autogradHook(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!expect_hooks_) return;  // no_sync, or a backward without a synced forward
-  any_hook_fired_ = true;
   if (!callback_queued_) {
     callback_queued_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback(

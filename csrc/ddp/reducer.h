@@ -92,7 +92,6 @@ class Reducer {
   mutable std::mutex mutex_;
   bool expect_hooks_ = false;     // a synced backward is expected
   bool callback_queued_ = false;  // final callback queued this backward
-  bool any_hook_fired_ = false;
   size_t next_launch_ = 0;
   std::vector<bool> ready_;
   std::vector<bool> locally_used_;

@@ -326,3 +326,27 @@ def _fused_body(rank, n):
 
 def test_fused_all_reduce():
     run_ranks(_fused_body, 3)
+
+
+def _forward_without_backward_body(rank, n):
+    # With find_unused_parameters, forward launches the buckets of unused
+    # parameters at once; a forward that is never followed by backward (an
+    # evaluation under grad mode) must not leave them in flight.
+    torch.manual_seed(0)
+    ddp = dsparallel.DDP(WithUnused(), find_unused_parameters=True, bucket_cap_mb=0.0001)
+    torch.manual_seed(0)
+    ref = nn.parallel.DistributedDataParallel(WithUnused(), find_unused_parameters=True)
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    for model in (ddp, ref):
+        model(x)
+        model(x)  # again, still no backward
+        model(x).sum().backward()
+    for (name, p), q in zip(ref.module.named_parameters(), ddp.module.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+        else:
+            torch.testing.assert_close(q.grad, p.grad, **TOL)
+
+
+def test_forward_without_backward_then_step():
+    run_ranks(_forward_without_backward_body, 2)
