@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from launch import run_ranks  # noqa: E402
+
 DEFAULT_SIZES = [
     8,
     64,
@@ -150,14 +151,7 @@ def _time(run, size_bytes):
     return sorted(rounds)[len(rounds) // 2]
 
 
-def _worker(rank, n, port, collectives, sizes, results):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(n),
-        OMP_NUM_THREADS="1",
-    )
+def _worker(rank, n, collectives, sizes):
     import warnings
 
     import torch
@@ -184,30 +178,7 @@ def _worker(rank, n, port, collectives, sizes, results):
             rows.append(row)
             if rank == 0:
                 print(_format_row(row), flush=True)
-    if rank == 0:
-        results.put(rows)
     dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_world(n, collectives, sizes):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, n, port, collectives, sizes, results))
-        for r in range(n)
-    ]
-    for p in procs:
-        p.start()
-    rows = results.get()
-    for p in procs:
-        p.join()
     return rows
 
 
@@ -325,7 +296,7 @@ def main():
     print(HEADER)
     rows = []
     for n in args.worlds:
-        world_rows = _run_world(n, args.collectives, sizes)
+        world_rows = run_ranks(_worker, n, args.collectives, sizes)
         if "all_reduce" in args.collectives and not args.no_mpi and _mpi_available():
             mpi = _run_mpi(n, sizes)
             for r in world_rows:

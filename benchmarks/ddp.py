@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch import run_ranks  # noqa: E402
 
 CONFIGS = [("torch", "gloo"), ("torch", "dsp"), ("dsparallel", "gloo"), ("dsparallel", "dsp")]
 
@@ -74,14 +76,7 @@ def _time_steps(step, steps, warmup):
     return statistics.median(times)
 
 
-def _worker(rank, world, port, steps, warmup, results):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+def _worker(rank, world, steps, warmup):
     import torch
     import torch.distributed as dist
 
@@ -144,9 +139,8 @@ def _worker(rank, world, port, steps, warmup, results):
             row[f"{ddp_name}/{backend}_s"] = _time_steps(step, steps, warmup)
             del ddp, opt, replica
         rows.append(row)
-    if rank == 0:
-        results.put(rows)
     dist.destroy_process_group()
+    return rows
 
 
 def _format(rows):
@@ -180,20 +174,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world, port, args.steps, args.warmup, results))
-        for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    rows = results.get()
-    for p in procs:
-        p.join()
+    rows = run_ranks(_worker, args.world, args.steps, args.warmup)
     print(f"DDP step time, {args.world} ranks, median of {args.steps} steps")
     print(_format(rows))
     if args.json:

@@ -31,6 +31,23 @@ void checkListSize(size_t got, int size, const char* what, const char* which) {
               " must hold one tensor per rank (", size, "), got ", got);
 }
 
+// The root's per-rank list of a rooted collective (gather's outputs,
+// scatter's inputs), checked against `ref`; empty on the other ranks, which
+// must not pass one.
+std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists,
+                                 const at::Tensor& ref, bool root, int64_t root_rank,
+                                 int size, const char* what) {
+  if (!root) {
+    TORCH_CHECK(lists.empty() || lists[0].empty(), "dsp ", what, ": only the root rank ",
+                root_rank, " passes a ", what, " list");
+    return {};
+  }
+  TORCH_CHECK(lists.size() == 1, "dsp ", what, ": the root expects one ", what, " list");
+  checkListSize(lists[0].size(), size, what, "the list");
+  checkSameAs(lists[0], ref, what);
+  return lists[0];
+}
+
 std::vector<void*> pointers(std::vector<Staged>& staged) {
   std::vector<void*> out;
   for (auto& s : staged) out.push_back(s.ptr());
@@ -215,17 +232,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
     const c10d::GatherOptions& opts) {
   const at::Tensor& in = single(inputs, "gather");
   checkRoot(opts.rootRank, getSize(), "gather");
-  const bool root = getRank() == opts.rootRank;
-  std::vector<at::Tensor> outs;
-  if (root) {
-    TORCH_CHECK(outputs.size() == 1, "dsp gather: root expects one output list");
-    checkListSize(outputs[0].size(), getSize(), "gather", "the output list");
-    checkSameAs(outputs[0], in, "gather");
-    outs = outputs[0];
-  } else {
-    TORCH_CHECK(outputs.empty() || outputs[0].empty(), "dsp gather: only the root rank ",
-                opts.rootRank, " passes a gather list");
-  }
+  const auto outs = rootList(outputs, in, getRank() == opts.rootRank, opts.rootRank,
+                             getSize(), "gather");
   auto info = callInfo(Collective::kGather, in, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
   return enqueue(c10d::OpType::GATHER, nullptr, outs, [this, in, outs, info] {
@@ -242,17 +250,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
     const c10d::ScatterOptions& opts) {
   const at::Tensor& out = single(outputs, "scatter");
   checkRoot(opts.rootRank, getSize(), "scatter");
-  const bool root = getRank() == opts.rootRank;
-  std::vector<at::Tensor> ins;
-  if (root) {
-    TORCH_CHECK(inputs.size() == 1, "dsp scatter: root expects one input list");
-    checkListSize(inputs[0].size(), getSize(), "scatter", "the scatter list");
-    checkSameAs(inputs[0], out, "scatter");
-    ins = inputs[0];
-  } else {
-    TORCH_CHECK(inputs.empty() || inputs[0].empty(), "dsp scatter: only the root rank ",
-                opts.rootRank, " passes a scatter list");
-  }
+  const auto ins = rootList(inputs, out, getRank() == opts.rootRank, opts.rootRank,
+                            getSize(), "scatter");
   auto info = callInfo(Collective::kScatter, out, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
   return enqueue(c10d::OpType::SCATTER, nullptr, outputs, [this, out, ins, info] {
