@@ -67,6 +67,7 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket bucket;
     static_cast<FlatBucket&>(bucket) = FlatBucket::make(params_, assignment[b]);
+    bucket.average_in_reduction = fusedAverage(bucket.flat);
     for (size_t k = 0; k < bucket.members.size(); ++k) {
       bucket_of_[bucket.members[k]] = b;
       position_of_[bucket.members[k]] = k;
@@ -224,10 +225,22 @@ void Reducer::markReadyLocked(size_t index, bool used) {
   Bucket& bucket = buckets_[bucket_of_[index]];
   at::Tensor view = bucket.view(position_of_[index], params_[index]);
   at::Tensor& grad = params_[index].mutable_grad();
+  // Without a comm hook, averaging is either fused into the reduction
+  // (fusedAverage) or, as torch does it, into this copy: x * (1/n) on the way
+  // into the bucket, saving a pass over the gradients.
+  const bool scale = !comm_hook_ && !bucket.average_in_reduction;
+  const at::Tensor inverseSize =
+      at::scalar_tensor(1.0 / group_->getSize(), at::TensorOptions().dtype(at::kDouble));
   if (!used || !grad.defined()) {
     view.zero_();
-  } else if (!grad.is_alias_of(view)) {
-    view.copy_(grad);
+  } else if (grad.is_alias_of(view)) {
+    if (scale) view.mul_(inverseSize);
+  } else {
+    if (scale) {
+      at::mul_out(view, grad, inverseSize);
+    } else {
+      view.copy_(grad);
+    }
     if (options_.gradient_as_bucket_view) grad = view;
   }
   --bucket.pending;
@@ -252,14 +265,10 @@ void Reducer::launchReadyLocked() {
                           params, std::nullopt);
       b.future = comm_hook_->runHook(gb);
     } else {
+      // Already scaled by 1/n on the way in, unless the backend averages.
       std::vector<at::Tensor> t = {b.flat};
       c10d::AllreduceOptions opts;
-      if (fusedAverage(b.flat)) {
-        opts.reduceOp =
-            c10d::ReduceOp::AVG;  // divided inside the reduction: no extra pass
-      } else {
-        b.flat.div_(group_->getSize());  // torch's default: divide, then sum
-      }
+      if (b.average_in_reduction) opts.reduceOp = c10d::ReduceOp::AVG;
       b.future = group_->allreduce(t, opts)->getFuture();
     }
     ++next_launch_;

@@ -61,6 +61,7 @@ class Reducer {
 
  private:
   struct Bucket : FlatBucket {
+    bool average_in_reduction = false;  // fusedAverage(flat), fixed per bucket
     size_t pending = 0;
     c10::intrusive_ptr<c10::ivalue::Future> future;
   };
