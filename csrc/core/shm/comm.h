@@ -101,8 +101,6 @@ class ShmComm {
   uint64_t sequenceNumber() const { return seq_; }
   const ShmOptions& options() const { return options_; }
   void setTimeout(std::chrono::milliseconds t) { options_.timeout = t; }
-  // Bytes of shared memory this comm maps (for the leak checks in tests).
-  size_t segmentBytes() const { return segment_.size(); }
 
   // out[i] = op over ranks of in[i]; in may equal out. AVG divides by size().
   void allReduce(const void* in, void* out, size_t count, const CallInfo& info);
@@ -156,7 +154,6 @@ class ShmComm {
   Collective current_ = Collective::kInit;
   std::chrono::steady_clock::time_point deadline_;
   WaitPolicy wait_policy_;
-  std::vector<int> peer_pids_;
   std::string broken_;  // non-empty: why this comm refuses work
 };
 
