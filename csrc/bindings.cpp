@@ -1,9 +1,11 @@
 // dsparallel._C: the one Python module of the extension.
 #include <pybind11/chrono.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/process_group_dsp.h"
+#include "core/pipeline/schedule.h"
 #include "ddp/reducer.h"
 
 namespace py = pybind11;
@@ -52,4 +54,44 @@ PYBIND11_MODULE(_C, m) {
           py::arg("state"), py::arg("hook"))
       .def("bucket_indices", &dsparallel::Reducer::bucketIndices)
       .def_property_readonly("buckets_rebuilt", &dsparallel::Reducer::bucketsRebuilt);
+
+  namespace pp = dsp::pipeline;
+  py::class_<pp::Action>(m, "PipelineAction")
+      .def_property_readonly("kind",
+                             [](const pp::Action& a) {
+                               const std::string t = pp::toString({a.type, 0, 0});
+                               return t.substr(1, t.size() - 2);  // strip the zeros
+                             })
+      .def_readonly("stage", &pp::Action::stage)
+      .def_readonly("microbatch", &pp::Action::microbatch)
+      .def("__str__", &pp::toString)
+      .def("__repr__", &pp::toString)
+      .def("__eq__", &pp::Action::operator==)
+      .def_static("parse", &pp::parseAction, py::arg("text"));
+  py::class_<pp::ScheduleStats>(m, "PipelineScheduleStats")
+      .def_readonly("makespan", &pp::ScheduleStats::makespan)
+      .def_readonly("bubble", &pp::ScheduleStats::bubble)
+      .def_readonly("peak_in_flight", &pp::ScheduleStats::peak_in_flight);
+  py::class_<pp::Schedule>(m, "PipelineSchedule")
+      .def(py::init([](int stages, int microbatches,
+                       const std::vector<std::vector<std::string>>& ranks) {
+             pp::Schedule s;
+             s.num_stages = stages;
+             s.num_microbatches = microbatches;
+             s.num_ranks = static_cast<int>(ranks.size());
+             for (const auto& r : ranks) {
+               s.ranks.emplace_back();
+               for (const auto& text : r) s.ranks.back().push_back(pp::parseAction(text));
+             }
+             return s;
+           }),
+           py::arg("num_stages"), py::arg("num_microbatches"), py::arg("ranks"))
+      .def_readonly("num_stages", &pp::Schedule::num_stages)
+      .def_readonly("num_ranks", &pp::Schedule::num_ranks)
+      .def_readonly("num_microbatches", &pp::Schedule::num_microbatches)
+      .def_readonly("ranks", &pp::Schedule::ranks)
+      .def("validate", &pp::validate);
+  m.def("make_schedule", &pp::makeSchedule, py::arg("name"), py::arg("num_stages"),
+        py::arg("num_microbatches"), py::arg("stages_per_rank") = 1);
+  m.def("rank_of_stage", &pp::rankOfStage, py::arg("stage"), py::arg("num_ranks"));
 }

@@ -1,0 +1,24 @@
+"""Pipeline parallelism: the schedule as data (C++), and stages that run it.
+
+The names follow ``torch.distributed.pipelining`` so that switching is an
+import change::
+
+    stage = PipelineStage(my_layers, stage_index=rank, num_stages=world)
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+    schedule.step(x)                                   # first stage
+    schedule.step(target=y, losses=losses)             # last stage
+"""
+
+from .runtime import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from .schedule import Action, Schedule, get_schedule
+from .stage import PipelineStage
+
+__all__ = [
+    "Action",
+    "PipelineStage",
+    "Schedule",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "get_schedule",
+]

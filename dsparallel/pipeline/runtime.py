@@ -1,0 +1,253 @@
+"""Executes one rank's actions of a validated schedule.
+
+Transfers: a send is posted asynchronously (``isend``) and awaited at the
+end of the step; a receive blocks (``recv``) until its data arrives, exactly
+the model the C++ validator proved deadlock-free. Each activation travels
+with a small header (its shape and dtype), so a stage whose output shape
+changes between micro-batches raises a clear error on both ends of the
+transfer. Activations are dropped as soon as their backward has run.
+
+The loss is divided by the number of micro-batches once, on the last stage,
+so the gradients equal those of the whole batch run unsplit; calling
+``step`` again accumulates into ``.grad`` like a normal backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .schedule import get_schedule
+from .stage import PipelineStage
+
+_MAX_DIMS = 8
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+
+
+def _tag(stage: int, microbatch: int, n_microbatches: int, backward: bool, header: bool):
+    return ((stage * n_microbatches + microbatch) * 2 + int(backward)) * 2 + int(header)
+
+
+@dataclass
+class _Slot:
+    """What one (stage, micro-batch) keeps between its forward and backward."""
+
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    grad_output: torch.Tensor | None = None
+    grad_input: torch.Tensor | None = None
+    args: tuple = field(default_factory=tuple)
+    targets: tuple = field(default_factory=tuple)
+    rng: torch.Tensor | None = None  # checkpointing: the RNG state of the forward
+
+
+class _PipelineSchedule:
+    _NAME = ""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
+        if not stages:
+            raise ValueError("a pipeline schedule needs at least one stage on this rank")
+        self.stages = {s.stage_index: s for s in stages}
+        first = stages[0]
+        self.group, self.num_stages = first.group, first.num_stages
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        per_rank = len(stages)
+        self.plan = get_schedule(self._NAME, self.num_stages, n_microbatches, per_rank)
+        if self.plan.num_ranks != first.group_size:
+            raise ValueError(
+                f"{self._NAME}: {self.num_stages} stages at {per_rank} per rank need "
+                f"{self.plan.num_ranks} ranks, the group has {first.group_size}"
+            )
+        self.actions = self.plan.ranks[first.group_rank]
+        mine = {a.stage for a in self.actions}
+        if mine != set(self.stages):
+            raise ValueError(
+                f"this rank must hold stages {sorted(mine)}, got {sorted(self.stages)}"
+            )
+        last = self.stages.get(self.num_stages - 1)
+        if last is not None and loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn")
+        self._shapes: dict[int, torch.Size] = {}
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, *args, target=None, losses: list | None = None):
+        m = self.n_microbatches
+        inputs = self._split(args, "input") if 0 in self.stages else None
+        targets = None
+        if self.num_stages - 1 in self.stages:
+            if target is None:
+                raise ValueError("the last stage's step() needs target=")
+            targets = self._split((target,), "target")
+        slots = {(s, mb): _Slot() for s in self.stages for mb in range(m)}
+        pending = []
+        stage_losses = [None] * m
+        for action in self.actions:
+            s, mb, kind = action.stage, action.microbatch, action.kind
+            slot = slots[(s, mb)]
+            stage = self.stages[s]
+            if kind == "F":
+                self._forward(stage, slot, slots, mb, inputs, targets, stage_losses)
+            elif kind == "B":
+                self._backward(stage, slot, slots, mb)
+            elif kind == "SEND_F":
+                pending += self._send_activation(stage, slot.output.detach(), s, mb)
+            elif kind == "RECV_F":
+                slot.input = self._recv_activation(stage, s, mb)
+            elif kind == "SEND_B":
+                pending.append(
+                    dist.isend(
+                        slot.grad_input,
+                        stage.global_rank_of(s - 1),
+                        group=self.group,
+                        tag=_tag(s, mb, m, True, False),
+                    )
+                )
+            elif kind == "RECV_B":
+                grad = torch.empty_like(slot.output)
+                dist.recv(
+                    grad,
+                    stage.global_rank_of(s + 1),
+                    group=self.group,
+                    tag=_tag(s + 1, mb, m, True, False),
+                )
+                slot.grad_output = grad
+        for work in pending:
+            work.wait()
+        if losses is not None and targets is not None:
+            losses.extend(stage_losses)
+
+    def _split(self, tensors, what):
+        m = self.n_microbatches
+        out = []
+        for t in tensors:
+            if t.shape[0] % m:
+                raise ValueError(
+                    f"the {what} batch of {t.shape[0]} cannot be split into {m} equal micro-batches"
+                )
+            out.append(t.chunk(m))
+        return [tuple(chunks[i] for chunks in out) for i in range(m)]
+
+    # --------------------------------------------------------------- compute
+
+    def _stage_input(self, stage, slots, mb, inputs):
+        s = stage.stage_index
+        if stage.is_first:
+            return inputs[mb]
+        if s - 1 in self.stages:  # previous stage on this rank: local hand-off
+            x = slots[(s - 1, mb)].output.detach()
+        else:
+            x = slots[(s, mb)].input
+        return (x.requires_grad_(x.is_floating_point()),)
+
+    def _forward(self, stage, slot, slots, mb, inputs, targets, stage_losses):
+        args = self._stage_input(stage, slots, mb, inputs)
+        slot.args = args
+        slot.input = args[0] if not stage.is_first else None
+        slot.targets = targets[mb] if stage.is_last else ()
+        if stage.checkpoint:
+            # Keep only the inputs (and the RNG state, so that dropout draws
+            # the same masks when the backward recomputes).
+            slot.rng = torch.get_rng_state()
+            with torch.no_grad():
+                slot.output, slot.loss = self._compute(stage, slot)
+        else:
+            slot.output, slot.loss = self._compute(stage, slot)
+        if stage.is_last:
+            stage_losses[mb] = slot.loss.detach()
+
+    def _compute(self, stage, slot):
+        out = stage.submod(*slot.args)
+        loss = self.loss_fn(out, *slot.targets) if stage.is_last else None
+        return out, loss
+
+    def _backward(self, stage, slot, slots, mb):
+        s = stage.stage_index
+        if stage.checkpoint:
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(slot.rng)
+                slot.output, slot.loss = self._compute(stage, slot)
+        if stage.is_last:
+            torch.autograd.backward(slot.loss / self.n_microbatches)
+        else:
+            grad = slot.grad_output
+            if s + 1 in self.stages:  # next stage on this rank
+                grad = slots[(s + 1, mb)].grad_input
+            torch.autograd.backward(slot.output, grad)
+        if not stage.is_first:
+            slot.grad_input = slot.args[0].grad
+        # Free the activations: only the gradient for the previous stage stays.
+        slot.output = slot.loss = slot.grad_output = slot.rng = None
+        slot.args = slot.targets = ()
+
+    # ------------------------------------------------------------- transfers
+
+    def _send_activation(self, stage, out, s, mb):
+        m = self.n_microbatches
+        if out.dtype not in _DTYPES or out.dim() > _MAX_DIMS:
+            raise ValueError(
+                f"stage {s} output of dtype {out.dtype} and {out.dim()} dims cannot "
+                "be sent between stages"
+            )
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
+        header[2 : 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+        dst = stage.global_rank_of(s + 1)
+        works = [
+            dist.isend(header, dst, group=self.group, tag=_tag(s, mb, m, False, True)),
+            dist.isend(out.contiguous(), dst, group=self.group, tag=_tag(s, mb, m, False, False)),
+        ]
+        self._check_shape(s, mb, out.shape)
+        return works
+
+    def _recv_activation(self, stage, s, mb):
+        m = self.n_microbatches
+        src = stage.global_rank_of(s - 1)
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+        dist.recv(header, src, group=self.group, tag=_tag(s - 1, mb, m, False, True))
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        shape = torch.Size(header[2 : 2 + ndim].tolist())
+        x = torch.empty(shape, dtype=dtype)
+        dist.recv(x, src, group=self.group, tag=_tag(s - 1, mb, m, False, False))
+        self._check_shape(s - 1, mb, shape)
+        return x
+
+    def _check_shape(self, s, mb, shape):
+        """Stage outputs keep one shape across micro-batches (checked on both ends)."""
+        first = self._shapes.setdefault(s, shape)
+        if shape != first:
+            raise RuntimeError(
+                f"stage {s} output changed shape between micro-batches: "
+                f"{list(first)} for the first, {list(shape)} for micro-batch {mb}"
+            )
+
+
+class ScheduleGPipe(_PipelineSchedule):
+    """All forwards, then all backwards: m micro-batches in flight."""
+
+    _NAME = "gpipe"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None):
+        super().__init__([stage], n_microbatches, loss_fn)
+
+
+class Schedule1F1B(_PipelineSchedule):
+    """One forward, one backward: at most (stages - stage) micro-batches in flight."""
+
+    _NAME = "1f1b"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None):
+        super().__init__([stage], n_microbatches, loss_fn)
+
+
+class ScheduleInterleaved1F1B(_PipelineSchedule):
+    """Several stages per rank (rank r holds r, r + p, ...): a smaller bubble."""
+
+    _NAME = "interleaved_1f1b"
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
+        super().__init__(list(stages), n_microbatches, loss_fn)

@@ -1,0 +1,147 @@
+"""Pipeline parallelism: the C++ plans from Python, and real multi-process
+runs held against the unsplit model in one process.
+
+Tolerance: losses and every parameter gradient within rtol 1e-5, atol 1e-6
+(float32; micro-batching only reorders the sums)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from torch import nn
+
+import dsparallel.pipeline as pp
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+BATCH = 8
+
+
+def test_get_schedule_from_python():
+    s = pp.get_schedule("1f1b", 4, 8)
+    assert s.num_ranks == 4 and s.num_microbatches == 8
+    assert [str(a) for a in s.ranks[3][:4]] == ["3RECV_F0", "3F0", "3B0", "3SEND_B0"]
+    stats = s.validate()
+    assert stats.peak_in_flight == [4, 3, 2, 1]
+    assert stats.bubble == pytest.approx(3 / 11)
+    assert pp.get_schedule("gpipe", 4, 8).validate().peak_in_flight == [8] * 4
+    inter = pp.get_schedule("interleaved_1f1b", 4, 4, stages_per_rank=2)
+    assert {a.stage for a in inter.ranks[0]} == {0, 2}
+    assert pp.Action.parse("2SEND_B5").kind == "SEND_B"
+    with pytest.raises(ValueError, match=r"\(3\).*\(2\)"):
+        pp.get_schedule("interleaved_1f1b", 4, 3, stages_per_rank=2)
+    with pytest.raises(ValueError, match="unknown"):
+        pp.get_schedule("zero_bubble", 2, 2)
+    broken = pp.Schedule(2, 1, [["0F0", "0B0", "0SEND_F0"], ["1RECV_F0", "1F0", "1B0"]])
+    with pytest.raises(ValueError, match="not matched"):
+        broken.validate()
+
+
+def _blocks(n_blocks):
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.0)) for _ in range(n_blocks)
+    )
+
+
+def _data():
+    g = torch.Generator().manual_seed(42)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 6, generator=g)
+
+
+def _reference(n_stages):
+    blocks = _blocks(n_stages)
+    x, y = _data()
+    h = x
+    for b in blocks:
+        h = b(h)
+    loss = nn.functional.mse_loss(h, y)
+    loss.backward()
+    return loss.detach(), [[p.grad.clone() for p in b.parameters()] for b in blocks]
+
+
+def _pipeline_body(rank, world, name, n_stages, m, checkpoint, steps):
+    blocks = _blocks(n_stages)
+    per_rank = n_stages // world
+    my_stages = [s for s in range(n_stages) if s % world == rank]
+    stages = [pp.PipelineStage(blocks[s], s, n_stages, checkpoint=checkpoint) for s in my_stages]
+    loss_fn = nn.functional.mse_loss
+    if name == "gpipe":
+        sched = pp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
+    elif name == "1f1b":
+        sched = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    else:
+        assert per_rank > 1
+        sched = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    x, y = _data()
+    losses = []
+    for _ in range(steps):
+        losses.clear()
+        args = (x,) if 0 in my_stages else ()
+        has_last = n_stages - 1 in my_stages
+        sched.step(*args, target=y if has_last else None, losses=losses if has_last else None)
+    ref_loss, ref_grads = _reference(n_stages)
+    if n_stages - 1 in my_stages:
+        assert len(losses) == m
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss, **TOL)
+    for s in my_stages:
+        for p, g in zip(blocks[s].parameters(), ref_grads[s]):
+            torch.testing.assert_close(p.grad, steps * g, **TOL)
+
+
+CASES = [
+    # (name, world, stages, micro-batches)
+    ("gpipe", 2, 2, 2),
+    ("1f1b", 2, 2, 2),
+    ("1f1b", 2, 2, 8),
+    ("gpipe", 4, 4, 4),
+    ("1f1b", 4, 4, 4),
+    ("1f1b", 4, 4, 8),
+    ("interleaved_1f1b", 2, 4, 2),
+    ("interleaved_1f1b", 2, 4, 4),
+]
+
+
+@pytest.mark.parametrize("name,world,n_stages,m", CASES)
+def test_gradients_equal_unsplit_model(name, world, n_stages, m):
+    run_ranks(_pipeline_body, world, name, n_stages, m, False, 1)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+def test_checkpointing_gives_the_same_gradients(name):
+    run_ranks(_pipeline_body, 2, name, 4 if name.startswith("inter") else 2, 4, True, 1)
+
+
+def test_two_steps_accumulate():
+    run_ranks(_pipeline_body, 2, "1f1b", 2, 4, False, 2)
+
+
+def _bad_batch_body(rank, world):
+    stage = pp.PipelineStage(nn.Linear(3, 3), rank, world)
+    sched = pp.Schedule1F1B(stage, 3, loss_fn=nn.functional.mse_loss)
+    try:
+        if rank == 0:
+            sched.step(torch.randn(8, 3))
+        else:
+            sched.step(target=torch.randn(8, 3))
+    except ValueError as e:
+        assert "8" in str(e) and "3" in str(e), str(e)
+    else:
+        raise AssertionError("an indivisible batch was accepted")
+
+
+def test_batch_not_divisible_is_refused_on_every_rank():
+    run_ranks(_bad_batch_body, 2)
+
+
+def _wrong_stage_body(rank, world):
+    try:
+        pp.PipelineStage(nn.Linear(3, 3), (rank + 1) % world, world)
+    except ValueError as e:
+        assert "belongs to group rank" in str(e)
+    else:
+        raise AssertionError("a stage on the wrong rank was accepted")
+    dist.barrier()
+
+
+def test_stage_on_wrong_rank_is_refused():
+    run_ranks(_wrong_stage_body, 2)
