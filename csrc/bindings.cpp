@@ -71,7 +71,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<pp::ScheduleStats>(m, "PipelineScheduleStats")
       .def_readonly("makespan", &pp::ScheduleStats::makespan)
       .def_readonly("bubble", &pp::ScheduleStats::bubble)
-      .def_readonly("peak_in_flight", &pp::ScheduleStats::peak_in_flight);
+      .def_readonly("peak_in_flight", &pp::ScheduleStats::peak_in_flight)
+      .def_readonly("start_slots", &pp::ScheduleStats::start_slots);
   py::class_<pp::Schedule>(m, "PipelineSchedule")
       .def(py::init([](int stages, int microbatches,
                        const std::vector<std::vector<std::string>>& ranks) {

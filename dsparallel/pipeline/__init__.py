@@ -12,6 +12,7 @@ import change::
 from .runtime import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from .schedule import Action, Schedule, get_schedule
 from .stage import PipelineStage
+from .timeline import bubble, gather_trace, planned_trace, plot_schedule
 
 __all__ = [
     "Action",
@@ -20,5 +21,9 @@ __all__ = [
     "Schedule1F1B",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "bubble",
+    "gather_trace",
     "get_schedule",
+    "planned_trace",
+    "plot_schedule",
 ]

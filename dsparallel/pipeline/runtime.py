@@ -14,6 +14,7 @@ so the gradients equal those of the whole batch run unsplit; calling
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +73,9 @@ class _PipelineSchedule:
         if last is not None and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self._shapes: dict[int, torch.Size] = {}
+        # The last step's compute actions as (action, start s, end s), for
+        # gather_trace / plot_schedule and the measured bubble.
+        self.trace: list[tuple[str, float, float]] = []
 
     # ------------------------------------------------------------------ step
 
@@ -86,14 +90,18 @@ class _PipelineSchedule:
         slots = {(s, mb): _Slot() for s in self.stages for mb in range(m)}
         pending = []
         stage_losses = [None] * m
+        self.trace = []
         for action in self.actions:
             s, mb, kind = action.stage, action.microbatch, action.kind
+            start = time.perf_counter()
             slot = slots[(s, mb)]
             stage = self.stages[s]
-            if kind == "F":
-                self._forward(stage, slot, slots, mb, inputs, targets, stage_losses)
-            elif kind == "B":
-                self._backward(stage, slot, slots, mb)
+            if kind in ("F", "B"):
+                if kind == "F":
+                    self._forward(stage, slot, slots, mb, inputs, targets, stage_losses)
+                else:
+                    self._backward(stage, slot, slots, mb)
+                self.trace.append((str(action), start, time.perf_counter()))
             elif kind == "SEND_F":
                 pending += self._send_activation(stage, slot.output.detach(), s, mb)
             elif kind == "RECV_F":
@@ -201,7 +209,12 @@ class _PipelineSchedule:
             dist.isend(header, dst, group=self.group, tag=_tag(s, mb, m, False, True)),
             dist.isend(out.contiguous(), dst, group=self.group, tag=_tag(s, mb, m, False, False)),
         ]
-        self._check_shape(s, mb, out.shape)
+        try:
+            self._check_shape(s, mb, out.shape)
+        except RuntimeError:
+            for work in works:  # deliver it, so the receiver raises the same error
+                work.wait()
+            raise
         return works
 
     def _recv_activation(self, stage, s, mb):

@@ -38,3 +38,10 @@ def test_ddp_simple(ddp):
 def test_gradient_accumulation():
     out = _torchrun("gradient_accumulation.py", "--steps", "120", "--micro-batches", "3")
     assert "loss" in out and "done" in out
+
+
+def test_pipeline_example_writes_its_timeline(tmp_path):
+    png = tmp_path / "timeline.png"
+    out = _torchrun("pipeline.py", "--steps", "100", "--timeline", str(png))
+    assert "done: 2 stages" in out and "bubble: measured" in out
+    assert png.stat().st_size > 1000

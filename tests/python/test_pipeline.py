@@ -145,3 +145,44 @@ def _wrong_stage_body(rank, world):
 
 def test_stage_on_wrong_rank_is_refused():
     run_ranks(_wrong_stage_body, 2)
+
+
+def test_plot_planned_schedule(tmp_path):
+    path = pp.plot_schedule(pp.get_schedule("interleaved_1f1b", 4, 4, 2), str(tmp_path / "p.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    trace = pp.planned_trace(pp.get_schedule("gpipe", 3, 5))
+    assert pp.bubble(trace) == pytest.approx(2 / 7)
+
+
+class _Growing(nn.Module):
+    """Outputs one more row on each call: the shape changes between micro-batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)[: max(1, x.shape[0] - self.calls + 1)]
+
+
+def _shape_change_body(rank, world):
+    module = _Growing() if rank == 0 else nn.Linear(3, 3)
+    stage = pp.PipelineStage(module, rank, world)
+    sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda out, y: out.sum())
+    try:
+        if rank == 0:
+            sched.step(torch.randn(4, 3))
+        else:
+            sched.step(target=torch.randn(4, 3))
+    except RuntimeError as e:
+        assert "changed shape between micro-batches" in str(e), str(e)
+        assert "[2, 3]" in str(e) and "[1, 3]" in str(e), str(e)
+    else:
+        raise AssertionError("a changing stage output was accepted")
+
+
+def test_stage_output_shape_change_raises_on_both_ends():
+    run_ranks(_shape_change_body, 2, pg_timeout_s=20)

@@ -256,6 +256,8 @@ ScheduleStats validate(const Schedule& s) {
   std::vector<int> clock(R, 0), inFlight(R, 0);
   ScheduleStats stats;
   stats.peak_in_flight.assign(R, 0);
+  stats.start_slots.resize(R);
+  for (int r = 0; r < R; ++r) stats.start_slots[r].assign(s.ranks[r].size(), -1);
   auto local = [&](int a, int b) { return rankOfStage(a, R) == rankOfStage(b, R); };
   for (;;) {
     bool progressed = false, finished = true;
@@ -295,6 +297,7 @@ ScheduleStats validate(const Schedule& s) {
         if (ready < 0) break;  // blocked: wait for another rank
         if (isCompute(a.type)) {
           const int end = std::max(clock[r], ready) + 1;
+          stats.start_slots[r][pc[r]] = end - 1;
           clock[r] = end;
           if (a.type == ActionType::kForward) {
             fwdDone[k] = end;

@@ -59,6 +59,9 @@ struct ScheduleStats {
   double bubble = 0;                // idle fraction over all ranks
   std::vector<int> peak_in_flight;  // per rank: max micro-batch-stages
                                     // forwarded but not yet backwarded
+  // Per rank, per action: the slot a compute action starts in (it ends one
+  // slot later); -1 for transfers. The planned timeline, for plotting.
+  std::vector<std::vector<int>> start_slots;
 };
 
 // Checks the schedule (throws std::invalid_argument with the reason: an

@@ -1,0 +1,70 @@
+"""Timelines of a pipeline schedule: planned (unit time, from the C++
+simulator) or measured (per-action wall times recorded by ``step``)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .schedule import Schedule
+
+_COLORS = {"F": "#4c72b0", "B": "#55a868"}
+
+
+def planned_trace(schedule: Schedule) -> list[list[tuple[str, float, float]]]:
+    """Per rank, (action, start, end) of each compute action, in unit slots."""
+    stats = schedule.validate()
+    trace = []
+    for actions, starts in zip(schedule.ranks, stats.start_slots):
+        trace.append([(str(a), float(t), float(t + 1)) for a, t in zip(actions, starts) if t >= 0])
+    return trace
+
+
+def bubble(trace: list[list[tuple[str, float, float]]]) -> float:
+    """Idle fraction of the ranks between the first start and the last end."""
+    spans = [(s, e) for rank in trace for _, s, e in rank]
+    if not spans:
+        return 0.0
+    t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
+    busy = sum(e - s for s, e in spans)
+    return 1.0 - busy / (len(trace) * (t1 - t0))
+
+
+def gather_trace(schedule_runner, group=None) -> list | None:
+    """All ranks' measured traces of the last ``step`` (on every rank)."""
+    group = group if group is not None else schedule_runner.group
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, schedule_runner.trace, group=group)
+    return everyone
+
+
+def plot_schedule(schedule_or_trace, path: str, title: str | None = None) -> str:
+    """Draws the timeline (one row per rank, F and B boxes labelled with the
+    stage and micro-batch) as a PNG at ``path``. Takes a Schedule (planned,
+    unit slots) or a trace as returned by ``gather_trace`` (seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    planned = isinstance(schedule_or_trace, Schedule)
+    trace = planned_trace(schedule_or_trace) if planned else schedule_or_trace
+    t0 = min((s for rank in trace for _, s, _ in rank), default=0.0)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(trace) + 1.2))
+    for r, rank in enumerate(trace):
+        for text, s, e in rank:
+            kind = "B" if "B" in text.lstrip("0123456789")[:1] else "F"
+            ax.broken_barh(
+                [(s - t0, e - s)], (r - 0.4, 0.8), color=_COLORS[kind], edgecolor="white"
+            )
+            ax.text((s + e) / 2 - t0, r, text, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(trace)), [f"rank {r}" for r in range(len(trace))])
+    ax.invert_yaxis()
+    ax.set_xlabel("slot" if planned else "seconds")
+    ax.set_title(
+        title
+        or f"{'planned' if planned else 'measured'} pipeline timeline, bubble {bubble(trace):.1%}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
