@@ -1,0 +1,165 @@
+"""Pipeline step time, bubble and activation memory: dsparallel's schedules
+against torch.distributed.pipelining on the same model and backend, in one run.
+
+    python benchmarks/pipeline.py [--micro-batches 8] [--steps 10] [--timeline t.png]
+
+Two ranks, one stage each (an MLP of 4 blocks split in two). For GPipe and
+1F1B under both libraries it reports the median step time (slowest rank),
+the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
+span)) next to the planned one, and the first stage's peak activation
+memory: bytes of distinct storages held by autograd for backward (tensors
+saved through saved_tensors_hooks), measured the same way for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import weakref
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch import run_ranks  # noqa: E402
+
+
+class SavedBytes:
+    """Peak bytes of distinct storages saved for backward (weights count once)."""
+
+    def __init__(self):
+        self.refs: dict[int, list] = {}
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        entry = self.refs.get(key)
+        if entry is None:
+            entry = self.refs[key] = [t.untyped_storage().nbytes(), 0]
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+        return t
+
+    def _release(self, key):
+        entry = self.refs.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.live -= entry[0]
+                del self.refs[key]
+
+
+def _stage_module(index, width, blocks):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(index)
+    return nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def _worker(rank, world, args):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+    from torch import nn
+
+    import dsparallel  # noqa: F401
+    import dsparallel.pipeline as pp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("dsp", rank=rank, world_size=world)
+    m, width = args.micro_batches, args.width
+    loss_fn = nn.functional.mse_loss
+    x = torch.randn(args.batch_size, width)
+    y = torch.randn(args.batch_size, width)
+    rows = []
+    traces = {}
+    for lib in ("torch", "dsparallel"):
+        for name in ("gpipe", "1f1b"):
+            module = _stage_module(rank, width, args.blocks_per_stage)
+            if lib == "torch":
+                stage = tpp.PipelineStage(module, rank, world, torch.device("cpu"))
+                cls = tpp.ScheduleGPipe if name == "gpipe" else tpp.Schedule1F1B
+            else:
+                stage = pp.PipelineStage(module, rank, world)
+                cls = pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B
+            sched = cls(stage, m, loss_fn=loss_fn)
+            saved = SavedBytes()
+
+            def step(sched=sched):
+                if rank == 0:
+                    sched.step(x)
+                else:
+                    sched.step(target=y, losses=[])
+
+            for _ in range(2):
+                step()
+            times = []
+            for i in range(args.steps):
+                module.zero_grad(set_to_none=True)
+                dist.barrier()
+                t0 = time.perf_counter()
+                if i == 0:
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                        step()
+                else:
+                    step()
+                t = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times.append(t.item())
+            row = {
+                "lib": lib,
+                "schedule": name,
+                "step_s": statistics.median(times),
+                "peak_saved_bytes": saved.peak,
+            }
+            if lib == "dsparallel":
+                trace = pp.gather_trace(sched)
+                row["bubble_measured"] = pp.bubble(trace)
+                row["bubble_planned"] = pp.get_schedule(name, world, m).validate().bubble
+                traces[name] = trace
+            rows.append(row)
+    if rank == 0 and args.timeline:
+        pp.plot_schedule(traces["1f1b"], args.timeline)
+    dist.destroy_process_group()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--blocks-per-stage", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--timeline", default="pipeline_1f1b_timeline.png")
+    args = ap.parse_args()
+    rows = run_ranks(_worker, 2, args)
+    print(
+        f"2 stages, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}"
+        f", width {args.width}, median of {args.steps} steps; memory: first stage"
+    )
+    print(
+        f"{'library':>11} {'schedule':>8} {'step ms':>9} {'vs torch':>9} "
+        f"{'bubble meas/plan':>17} {'peak saved MB':>14}"
+    )
+    ref = {r["schedule"]: r["step_s"] for r in rows if r["lib"] == "torch"}
+    for r in rows:
+        bubble = (
+            f"{r['bubble_measured']:.1%} / {r['bubble_planned']:.1%}"
+            if "bubble_measured" in r
+            else "-"
+        )
+        print(
+            f"{r['lib']:>11} {r['schedule']:>8} {r['step_s'] * 1e3:>9.1f} "
+            f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} "
+            f"{r['peak_saved_bytes'] / 2**20:>14.2f}"
+        )
+    if args.timeline:
+        print(f"timeline of our 1F1B step: {args.timeline}")
+
+
+if __name__ == "__main__":
+    main()
