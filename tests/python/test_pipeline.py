@@ -186,3 +186,34 @@ def _shape_change_body(rank, world):
 
 def test_stage_output_shape_change_raises_on_both_ends():
     run_ranks(_shape_change_body, 2, pg_timeout_s=20)
+
+
+class _Failing(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("boom in stage 1")
+
+
+def _stage_exception_body(rank, world):
+    import time
+
+    module = _Failing() if rank == 1 else nn.Linear(3, 3)
+    stage = pp.PipelineStage(module, rank, world)
+    sched = pp.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            sched.step(torch.randn(4, 3))
+        else:
+            sched.step(target=torch.randn(4, 3))
+    except RuntimeError as e:
+        if rank == 1:
+            assert "boom in stage 1" in str(e)
+        # rank 0 waits for a gradient that never comes: it raises within the
+        # group's timeout instead of hanging
+        assert time.monotonic() - t0 < 30, time.monotonic() - t0
+    else:
+        raise AssertionError("no error")
+
+
+def test_exception_in_one_stage_raises_everywhere():
+    run_ranks(_stage_exception_body, 2, pg_timeout_s=3)
