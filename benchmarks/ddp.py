@@ -5,7 +5,8 @@
 Two models: a communication-bound MLP (~50M parameters, small batch) and a
 compute-bound conv net (small parameters, larger batch). For each model it
 measures, per configuration, the median step time (forward, backward with
-gradient sync, SGD step; the slowest rank's time per step), and:
+gradient sync, SGD step; the slowest rank's time per step; the four
+configurations are timed in interleaved rounds), and:
 
   local   the same step with no communication at all (the module alone,
           forward, backward and SGD step)
@@ -28,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_ranks  # noqa: E402
 
+ROUNDS = 4  # interleaved timing rounds per configuration
 CONFIGS = [("torch", "gloo"), ("torch", "dsp"), ("dsparallel", "gloo"), ("dsparallel", "dsp")]
 
 
@@ -125,6 +127,10 @@ def _worker(rank, world, steps, warmup):
                 steps,
                 warmup,
             )
+        # All four configurations live side by side and are timed in
+        # interleaved rounds (rotating the order), so that drift of the
+        # machine over the run does not favour whichever ran first.
+        steppers = {}
         for ddp_name, backend in CONFIGS:
             torch.manual_seed(0)
             replica, _ = make()
@@ -136,8 +142,15 @@ def _worker(rank, world, steps, warmup):
                 ddp(x).square().mean().backward()
                 opt.step()
 
-            row[f"{ddp_name}/{backend}_s"] = _time_steps(step, steps, warmup)
-            del ddp, opt, replica
+            steppers[f"{ddp_name}/{backend}"] = step
+        samples = {k: [] for k in steppers}
+        keys = list(steppers)
+        for round_ in range(ROUNDS):
+            for k in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
+                samples[k].append(_time_steps(steppers[k], max(1, steps // ROUNDS), warmup))
+        for k, v in samples.items():
+            row[f"{k}_s"] = statistics.median(v)
+        del steppers
         rows.append(row)
     dist.destroy_process_group()
     return rows
@@ -170,12 +183,15 @@ def _format(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = run_ranks(_worker, args.world, args.steps, args.warmup)
-    print(f"DDP step time, {args.world} ranks, median of {args.steps} steps")
+    print(
+        f"DDP step time, {args.world} ranks, median over {ROUNDS} interleaved rounds of "
+        f"{max(1, args.steps // ROUNDS)}-step medians"
+    )
     print(_format(rows))
     if args.json:
         with open(args.json, "w") as f:
