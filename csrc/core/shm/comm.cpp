@@ -417,21 +417,38 @@ void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
 // ---------------------------------------------------------------------------
 // byte-moving collectives: one slot (two chunks) per rank per step
 
-void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
-  begin(info);
-  const size_t per = slotBytes();
-  const size_t steps = std::max<size_t>(1, ceilDiv(bytes, per));
-  char* p = static_cast<char*>(buf);
+// The step loop the fixed-size collectives share: `total` units moved `per`
+// units a step (at least one step, which carries the descriptor and the
+// cross-rank check). Before each step `write(step, off, len)` fills this
+// rank's slot; after everyone arrived `read(step, off, len)` consumes the
+// peers' slots.
+template <typename Write, typename Read>
+void ShmComm::chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
+                           Write&& write, Read&& read) {
+  const size_t steps = std::max<size_t>(1, ceilDiv(total, per));
   for (size_t k = 0; k < steps; ++k) {
     const uint32_t s = nextStep();
     const size_t off = k * per;
-    const size_t len = std::min(per, bytes - std::min(bytes, off));
-    if (k == 0) publishDescriptor(s, info, bytes);
-    if (rank_ == info.root && len) std::memcpy(slot(rank_, s), p + off, len);
+    const size_t len = std::min(per, total - std::min(total, off));
+    if (k == 0) publishDescriptor(s, info, count);
+    if (len) write(s, off, len);
     arriveAndWait(s);
     if (k == 0) checkDescriptors(s, true);
-    if (rank_ != info.root && len) std::memcpy(p + off, slot(info.root, s), len);
+    if (len) read(s, off, len);
   }
+}
+
+void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
+  begin(info);
+  char* p = static_cast<char*>(buf);
+  chunkedSteps(
+      bytes, slotBytes(), bytes, info,
+      [&](uint32_t s, size_t off, size_t len) {
+        if (rank_ == info.root) std::memcpy(slot(rank_, s), p + off, len);
+      },
+      [&](uint32_t s, size_t off, size_t len) {
+        if (rank_ != info.root) std::memcpy(p + off, slot(info.root, s), len);
+      });
 }
 
 // Root reduces every chunk; the others only copy in. Rooted reductions are
@@ -439,25 +456,18 @@ void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
 void ShmComm::reduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
   const size_t es = elementSize(info.dtype);
-  const size_t per = slotBytes() / es;
-  const size_t steps = std::max<size_t>(1, ceilDiv(count, per));
   std::vector<const void*> srcs(size_);
-  for (size_t k = 0; k < steps; ++k) {
-    const uint32_t s = nextStep();
-    const size_t off = k * per;
-    const size_t len = std::min(per, count - std::min(count, off));
-    if (k == 0) publishDescriptor(s, info, count);
-    if (len) {
-      std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off * es, len * es);
-    }
-    arriveAndWait(s);
-    if (k == 0) checkDescriptors(s, true);
-    if (rank_ == info.root && len) {
-      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s);
-      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len, info.dtype,
-                 info.op, size_);
-    }
-  }
+  chunkedSteps(
+      count, slotBytes() / es, count, info,
+      [&](uint32_t s, size_t off, size_t len) {
+        std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off * es, len * es);
+      },
+      [&](uint32_t s, size_t off, size_t len) {
+        if (rank_ != info.root) return;
+        for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s);
+        reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
+                   info.dtype, info.op, size_);
+      });
 }
 
 void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
@@ -469,47 +479,36 @@ void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
                      const CallInfo& info) {
   begin(info);
-  const bool everyoneReads = info.kind == Collective::kAllGather;
-  const size_t per = slotBytes();
-  const size_t steps = std::max<size_t>(1, ceilDiv(bytes, per));
-  for (size_t k = 0; k < steps; ++k) {
-    const uint32_t s = nextStep();
-    const size_t off = k * per;
-    const size_t len = std::min(per, bytes - std::min(bytes, off));
-    if (k == 0) publishDescriptor(s, info, bytes);
-    if (len) std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off, len);
-    arriveAndWait(s);
-    if (k == 0) checkDescriptors(s, true);
-    if ((everyoneReads || rank_ == info.root) && len) {
-      for (int r = 0; r < size_; ++r) {
-        std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s), len);
-      }
-    }
-  }
+  const bool reads = info.kind == Collective::kAllGather || rank_ == info.root;
+  chunkedSteps(
+      bytes, slotBytes(), bytes, info,
+      [&](uint32_t s, size_t off, size_t len) {
+        std::memcpy(slot(rank_, s), static_cast<const char*>(in) + off, len);
+      },
+      [&](uint32_t s, size_t off, size_t len) {
+        if (!reads) return;
+        for (int r = 0; r < size_; ++r) {
+          std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s), len);
+        }
+      });
 }
 
 void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
                       const CallInfo& info) {
   begin(info);
   const size_t per = slotBytes() / size_;  // root's slot holds n pieces
-  const size_t steps = std::max<size_t>(1, ceilDiv(bytes, per));
-  for (size_t k = 0; k < steps; ++k) {
-    const uint32_t s = nextStep();
-    const size_t off = k * per;
-    const size_t len = std::min(per, bytes - std::min(bytes, off));
-    if (k == 0) publishDescriptor(s, info, bytes);
-    if (rank_ == info.root && len) {
-      for (int r = 0; r < size_; ++r) {
-        std::memcpy(slot(rank_, s) + r * per, static_cast<const char*>(ins[r]) + off,
-                    len);
-      }
-    }
-    arriveAndWait(s);
-    if (k == 0) checkDescriptors(s, true);
-    if (len) {
-      std::memcpy(static_cast<char*>(out) + off, slot(info.root, s) + rank_ * per, len);
-    }
-  }
+  chunkedSteps(
+      bytes, per, bytes, info,
+      [&](uint32_t s, size_t off, size_t len) {
+        if (rank_ != info.root) return;
+        for (int r = 0; r < size_; ++r) {
+          std::memcpy(slot(rank_, s) + r * per, static_cast<const char*>(ins[r]) + off,
+                      len);
+        }
+      },
+      [&](uint32_t s, size_t off, size_t len) {
+        std::memcpy(static_cast<char*>(out) + off, slot(info.root, s) + rank_ * per, len);
+      });
 }
 
 // Each step carries the same element range of all n destination blocks; a
@@ -519,25 +518,20 @@ void ShmComm::reduceScatter(const void* const* ins, void* out, size_t count,
   begin(info);
   const size_t es = elementSize(info.dtype);
   const size_t per = slotBytes() / size_ / es;  // elements per block per step
-  const size_t steps = std::max<size_t>(1, ceilDiv(count, per));
   std::vector<const void*> srcs(size_);
-  for (size_t k = 0; k < steps; ++k) {
-    const uint32_t s = nextStep();
-    const size_t off = k * per;
-    const size_t len = std::min(per, count - std::min(count, off));
-    if (k == 0) publishDescriptor(s, info, count);
-    for (int j = 0; j < size_ && len; ++j) {
-      std::memcpy(slot(rank_, s) + j * per * es,
-                  static_cast<const char*>(ins[j]) + off * es, len * es);
-    }
-    arriveAndWait(s);
-    if (k == 0) checkDescriptors(s, true);
-    if (len) {
-      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + rank_ * per * es;
-      reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len, info.dtype,
-                 info.op, size_);
-    }
-  }
+  chunkedSteps(
+      count, per, count, info,
+      [&](uint32_t s, size_t off, size_t len) {
+        for (int j = 0; j < size_; ++j) {
+          std::memcpy(slot(rank_, s) + j * per * es,
+                      static_cast<const char*>(ins[j]) + off * es, len * es);
+        }
+      },
+      [&](uint32_t s, size_t off, size_t len) {
+        for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + rank_ * per * es;
+        reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
+                   info.dtype, info.op, size_);
+      });
 }
 
 // Uneven splits: each step moves up to slot/n bytes of every (src, dst) pair;

@@ -141,6 +141,9 @@ class ShmComm {
   size_t maxSendOverRanks(uint32_t step) const;
   [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
 
+  template <typename Write, typename Read>
+  void chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
+                    Write&& write, Read&& read);
   void allReduceOneShot(const void* in, void* out, size_t count, const CallInfo& info);
   void allReduceScatterGather(const void* in, void* out, size_t count,
                               const CallInfo& info);
