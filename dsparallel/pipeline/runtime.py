@@ -35,7 +35,7 @@ def _tag(stage: int, microbatch: int, n_microbatches: int, backward: bool, heade
 class _Slot:
     """What one (stage, micro-batch) keeps between its forward and backward."""
 
-    input: torch.Tensor | None = None
+    input: torch.Tensor | None = None  # the received activation (RECV_F)
     output: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     grad_output: torch.Tensor | None = None
@@ -155,7 +155,6 @@ class _PipelineSchedule:
     def _forward(self, stage, slot, slots, mb, inputs, targets, stage_losses):
         args = self._stage_input(stage, slots, mb, inputs)
         slot.args = args
-        slot.input = args[0] if not stage.is_first else None
         slot.targets = targets[mb] if stage.is_last else ()
         if stage.checkpoint:
             # Keep only the inputs (and the RNG state, so that dropout draws

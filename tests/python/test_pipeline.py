@@ -115,14 +115,19 @@ def test_two_steps_accumulate():
     run_ranks(_pipeline_body, 2, "1f1b", 2, 4, False, 2)
 
 
+def _step_two_stages(sched, rank, x, y):
+    """One step of a 2-stage pipeline: rank 0 feeds x, rank 1 scores against y."""
+    if rank == 0:
+        sched.step(x)
+    else:
+        sched.step(target=y)
+
+
 def _bad_batch_body(rank, world):
     stage = pp.PipelineStage(nn.Linear(3, 3), rank, world)
     sched = pp.Schedule1F1B(stage, 3, loss_fn=nn.functional.mse_loss)
     try:
-        if rank == 0:
-            sched.step(torch.randn(8, 3))
-        else:
-            sched.step(target=torch.randn(8, 3))
+        _step_two_stages(sched, rank, torch.randn(8, 3), torch.randn(8, 3))
     except ValueError as e:
         assert "8" in str(e) and "3" in str(e), str(e)
     else:
@@ -173,10 +178,7 @@ def _shape_change_body(rank, world):
     stage = pp.PipelineStage(module, rank, world)
     sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda out, y: out.sum())
     try:
-        if rank == 0:
-            sched.step(torch.randn(4, 3))
-        else:
-            sched.step(target=torch.randn(4, 3))
+        _step_two_stages(sched, rank, torch.randn(4, 3), torch.randn(4, 3))
     except RuntimeError as e:
         assert "changed shape between micro-batches" in str(e), str(e)
         assert "[2, 3]" in str(e) and "[1, 3]" in str(e), str(e)
@@ -201,10 +203,7 @@ def _stage_exception_body(rank, world):
     sched = pp.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
     t0 = time.monotonic()
     try:
-        if rank == 0:
-            sched.step(torch.randn(4, 3))
-        else:
-            sched.step(target=torch.randn(4, 3))
+        _step_two_stages(sched, rank, torch.randn(4, 3), torch.randn(4, 3))
     except RuntimeError as e:
         if rank == 1:
             assert "boom in stage 1" in str(e)
