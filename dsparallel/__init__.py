@@ -5,7 +5,8 @@ Importing the package registers the torch.distributed backend ``"dsp"``.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import backend, comm_hooks
+from . import backend, comm_hooks, tensor_parallel
+from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .ops import fused_all_reduce
 
@@ -16,6 +17,8 @@ __all__ = [
     "DDP",
     "DistributedDataParallel",
     "backend",
+    "checkpoint",
     "comm_hooks",
     "fused_all_reduce",
+    "tensor_parallel",
 ]
