@@ -45,3 +45,11 @@ def test_pipeline_example_writes_its_timeline(tmp_path):
     out = _torchrun("pipeline.py", "--steps", "100", "--timeline", str(png))
     assert "done: 2 stages" in out and "bubble: measured" in out
     assert png.stat().st_size > 1000
+
+
+def test_tensor_parallel_example_learns():
+    out = _torchrun("tensor_parallel.py", "--steps", "60")
+    done = next(line for line in out.splitlines() if line.startswith("done:"))
+    first, last = (float(v) for v in done.split("loss ")[1].split(",")[0].split(" -> "))
+    assert last < first - 1.0, done
+    assert "replicated parameters agree" in done
