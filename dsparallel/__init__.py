@@ -9,6 +9,7 @@ from . import backend, comm_hooks, tensor_parallel
 from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .ops import fused_all_reduce
+from .parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
 
 backend.register()
 
@@ -16,9 +17,13 @@ __version__ = "0.1.0"
 __all__ = [
     "DDP",
     "DistributedDataParallel",
+    "ParallelState",
     "backend",
     "checkpoint",
     "comm_hooks",
+    "destroy_parallel",
     "fused_all_reduce",
+    "get_parallel_state",
+    "init_parallel",
     "tensor_parallel",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from .tensor_parallel.random import get_rng_tracker
@@ -28,6 +29,27 @@ def _tracker_context():
             tracker.set_states(current)
 
     return contextlib.nullcontext(), recompute()
+
+
+def capture_rng():
+    """The default CPU generator's state and the tensor-parallel streams."""
+    return torch.get_rng_state(), get_rng_tracker().get_states()
+
+
+@contextlib.contextmanager
+def replay_rng(state):
+    """Runs the body from a ``capture_rng()`` state, then puts the current
+    states back (for recomputing a forward with the same dropout masks)."""
+    cpu, streams = state
+    tracker = get_rng_tracker()
+    current = tracker.get_states()
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(cpu)
+        tracker.set_states(streams)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
 
 
 def checkpoint(fn, *args, **kwargs):

@@ -10,16 +10,24 @@ transfer. Activations are dropped as soon as their backward has run.
 The loss is divided by the number of micro-batches once, on the last stage,
 so the gradients equal those of the whole batch run unsplit; calling
 ``step`` again accumulates into ``.grad`` like a normal backward.
+
+A stage whose module is a DistributedDataParallel (ours or torch's) runs its
+forwards under ``no_sync`` and arms the reducer just before the stage's last
+backward of the step, so its replicas all-reduce the accumulated gradients
+once per step, overlapped with that backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import capture_rng, replay_rng
+from ..ddp import DistributedDataParallel
 from .schedule import get_schedule
 from .stage import PipelineStage
 
@@ -29,6 +37,10 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 def _tag(stage: int, microbatch: int, n_microbatches: int, backward: bool, header: bool):
     return ((stage * n_microbatches + microbatch) * 2 + int(backward)) * 2 + int(header)
+
+
+def _is_ddp(module) -> bool:
+    return isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel))
 
 
 @dataclass
@@ -42,7 +54,7 @@ class _Slot:
     grad_input: torch.Tensor | None = None
     args: tuple = field(default_factory=tuple)
     targets: tuple = field(default_factory=tuple)
-    rng: torch.Tensor | None = None  # checkpointing: the RNG state of the forward
+    rng: tuple | None = None  # checkpointing: the RNG states of the forward
 
 
 class _PipelineSchedule:
@@ -73,6 +85,8 @@ class _PipelineSchedule:
         if last is not None and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self._shapes: dict[int, torch.Size] = {}
+        # Each stage's last backward in a step, where a DDP stage syncs.
+        self._last_backward = {a.stage: a.microbatch for a in self.actions if a.kind == "B"}
         # The last step's compute actions as (action, start s, end s), for
         # gather_trace / plot_schedule and the measured bubble.
         self.trace: list[tuple[str, float, float]] = []
@@ -157,9 +171,9 @@ class _PipelineSchedule:
         slot.args = args
         slot.targets = targets[mb] if stage.is_last else ()
         if stage.checkpoint:
-            # Keep only the inputs (and the RNG state, so that dropout draws
+            # Keep only the inputs (and the RNG states, so that dropout draws
             # the same masks when the backward recomputes).
-            slot.rng = torch.get_rng_state()
+            slot.rng = capture_rng()
             with torch.no_grad():
                 slot.output, slot.loss = self._compute(stage, slot)
         else:
@@ -168,16 +182,19 @@ class _PipelineSchedule:
             stage_losses[mb] = slot.loss.detach()
 
     def _compute(self, stage, slot):
-        out = stage.submod(*slot.args)
+        sync_off = stage.submod.no_sync() if _is_ddp(stage.submod) else contextlib.nullcontext()
+        with sync_off:
+            out = stage.submod(*slot.args)
         loss = self.loss_fn(out, *slot.targets) if stage.is_last else None
         return out, loss
 
     def _backward(self, stage, slot, slots, mb):
         s = stage.stage_index
         if stage.checkpoint:
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(slot.rng)
+            with replay_rng(slot.rng):
                 slot.output, slot.loss = self._compute(stage, slot)
+        if _is_ddp(stage.submod) and mb == self._last_backward[s]:
+            stage.submod.reducer.prepare_for_backward([slot.output])
         if stage.is_last:
             torch.autograd.backward(slot.loss / self.n_microbatches)
         else:

@@ -1,0 +1,124 @@
+"""A small GPT built from the tensor-parallel layers, cut into pipeline stages.
+
+The model is [embedding, block x layers, head]: token embedding split by
+vocabulary plus a learned position embedding; pre-LayerNorm blocks of causal
+``ParallelAttention`` and ``ParallelMLP``; a final LayerNorm and an LM head
+split by vocabulary whose logits go to ``vocab_parallel_cross_entropy``.
+
+Layer ``i`` is initialised under its own seed (``seed + i``), so a stage
+builds exactly the layers the whole model would have, whatever the pipeline
+and tensor-parallel sizes: the same seed gives the same model in one process
+and in any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import tensor_parallel as tp
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 128
+    seq_len: int = 64
+    hidden: int = 128
+    heads: int = 4
+    layers: int = 4
+    dropout: float = 0.0
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig, group):
+        super().__init__()
+        self.tok = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, group=group)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tok(ids) + self.pos(positions)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, group):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
+        self.attn = tp.ParallelAttention(
+            cfg.hidden, cfg.heads, group=group, causal=True, dropout=cfg.dropout
+        )
+        self.mlp = tp.ParallelMLP(cfg.hidden, 4 * cfg.hidden, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the LM head; returns this rank's vocabulary slice
+    of the logits."""
+
+    def __init__(self, cfg: GPTConfig, group):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden)
+        self.proj = tp.ColumnParallelLinear(cfg.hidden, cfg.vocab_size, bias=False, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.ln(x))
+
+
+def stage_blocks(num_layers: int, stage: int, num_stages: int) -> range:
+    """The blocks of ``stage``: an even split, earlier stages taking the
+    remainder (the last stage also carries the head)."""
+    if num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def build_stage(
+    cfg: GPTConfig,
+    stage: int = 0,
+    num_stages: int = 1,
+    group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+) -> nn.Sequential:
+    """The layers of pipeline stage ``stage`` (all of them for one stage),
+    tensor-parallel over ``group``."""
+    if cfg.vocab_size % _group_size(group):
+        raise ValueError(
+            f"vocab_size={cfg.vocab_size} must be divisible by the tensor-parallel size "
+            f"{_group_size(group)} (the LM head splits it evenly)"
+        )
+
+    def seeded(index: int, make):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + index)
+            return make()
+
+    layers = []
+    if stage == 0:
+        layers.append(seeded(0, lambda: Embedding(cfg, group)))
+    for i in stage_blocks(cfg.layers, stage, num_stages):
+        layers.append(seeded(1 + i, lambda: Block(cfg, group)))
+    if stage == num_stages - 1:
+        layers.append(seeded(1 + cfg.layers, lambda: Head(cfg, group)))
+    return nn.Sequential(*layers)
+
+
+def _group_size(group) -> int:
+    return tp.group.resolve_group(group, "GPT").size()
+
+
+def gpt_loss(group: dist.ProcessGroup | None = None):
+    """The loss on the last stage: cross-entropy of vocabulary-parallel logits
+    (batch, seq, vocab slice) against targets (batch, seq)."""
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return tp.vocab_parallel_cross_entropy(logits, target, group=group)
+
+    return loss_fn

@@ -1,0 +1,105 @@
+"""The DP x PP x TP layout of a hybrid job on one DeviceMesh.
+
+Ranks are laid out as a (pp, dp, tp) mesh in row-major order, so the ranks of
+one tensor-parallel group are adjacent (``torchrun`` gives a host adjacent
+ranks, and tensor parallelism, which communicates in every layer, stays on a
+host); data-parallel replicas of one stage come next and pipeline stages are
+furthest apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .tensor_parallel.group import set_default_group
+
+_state: ParallelState | None = None
+_we_initialised = False
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    mesh: DeviceMesh
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(rank {dist.get_rank()}: tp {self.tp_rank}/{self.tp_size}, "
+            f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})"
+        )
+
+
+def init_parallel(
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str | None = None
+) -> ParallelState:
+    """Builds the layout (initialising torch.distributed with ``backend``, by
+    default "dsp" for CPU and "cpu:dsp,cuda:nccl" with CUDA, if not done yet)
+    and makes its tensor-parallel group the default of the tensor-parallel
+    layers."""
+    global _state, _we_initialised
+    if _state is not None:
+        raise RuntimeError("init_parallel was already called; call destroy_parallel first")
+    for name, value in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_parallel: {name} must be a positive integer, got {value!r}")
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "cpu:dsp,cuda:nccl" if torch.cuda.is_available() else "dsp"
+        dist.init_process_group(backend)
+        _we_initialised = True
+    world = dist.get_world_size()
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if world % (tp * pp):
+        raise ValueError(
+            f"init_parallel: world size {world} is not divisible by tensor_parallel_size "
+            f"({tp}) x pipeline_parallel_size ({pp}) = {tp * pp}"
+        )
+    dp = world // (tp * pp)
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() != "dsp" else "cpu"
+    mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    _state = ParallelState(
+        mesh=mesh,
+        tp_group=mesh.get_group("tp"),
+        pp_group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        tp_rank=mesh.get_local_rank("tp"),
+        pp_rank=mesh.get_local_rank("pp"),
+        dp_rank=mesh.get_local_rank("dp"),
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=dp,
+    )
+    set_default_group(_state.tp_group)
+    return _state
+
+
+def get_parallel_state() -> ParallelState:
+    if _state is None:
+        raise RuntimeError("call dsparallel.init_parallel() first")
+    return _state
+
+
+def destroy_parallel() -> None:
+    """Forgets the layout (and destroys the default process group if
+    ``init_parallel`` created it)."""
+    global _state, _we_initialised
+    set_default_group(None)
+    _state = None
+    if _we_initialised and dist.is_initialized():
+        dist.destroy_process_group()
+    _we_initialised = False

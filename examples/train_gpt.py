@@ -1,0 +1,225 @@
+"""Train a small character-level GPT with data, tensor and pipeline parallelism.
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py                  # tp 2 x pp 2
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tensor-parallel 2 --pipeline-parallel 1
+    torchrun --nproc-per-node 4 examples/train_gpt.py --save ckpt --steps 100
+    torchrun --nproc-per-node 4 examples/train_gpt.py --resume ckpt --steps 200
+
+``dsparallel.init_parallel`` lays the ranks out as (pp, dp, tp). Each rank
+builds only its pipeline stage's layers, split across its tensor-parallel
+group; the stage's data-parallel replicas are wrapped in our DDP; the stages
+run the 1F1B schedule. The corpus is text this repository already holds (its
+README and the package's sources), read as bytes (a 128-symbol vocabulary),
+so nothing is downloaded. Rank 0 shows progress; at the end it prints a
+summary and writes a loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import dsparallel
+from dsparallel.models import GPTConfig, build_stage, gpt_loss
+from dsparallel.pipeline import PipelineStage, Schedule1F1B
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_corpus() -> torch.Tensor:
+    files = [os.path.join(ROOT, "README.md")]
+    files += sorted(glob.glob(os.path.join(ROOT, "dsparallel", "**", "*.py"), recursive=True))
+    data = b"".join(open(f, "rb").read() for f in files)
+    codes = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return codes.masked_fill(codes >= 128, ord("?"))  # a 128-symbol vocabulary
+
+
+def batch(corpus: torch.Tensor, step: int, size: int, seq: int):
+    """The step's global batch: the same on every rank, a function of the
+    step alone (so a resumed run sees the same batches)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    starts = torch.randint(0, len(corpus) - seq - 1, (size,), generator=g)
+    ids = torch.stack([corpus[s : s + seq] for s in starts])
+    target = torch.stack([corpus[s + 1 : s + seq + 1] for s in starts])
+    return ids, target
+
+
+def layout_of(state) -> dict:
+    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
+
+
+def save(path, rank, state, cfg, step, module, opt, history):
+    os.makedirs(path, exist_ok=True)
+    torch.save(
+        {
+            "layout": layout_of(state),
+            "config": asdict(cfg),
+            "step": step,
+            "model": module.state_dict(),
+            "optim": opt.state_dict(),
+            "history": history,
+        },
+        os.path.join(path, f"rank{rank:05d}.pt"),
+    )
+    if rank == 0:
+        with open(os.path.join(path, "layout.json"), "w") as f:
+            json.dump({"layout": layout_of(state), "config": asdict(cfg), "step": step}, f)
+
+
+def resume(path, rank, state, cfg, module, opt):
+    file = os.path.join(path, f"rank{rank:05d}.pt")
+    if not os.path.exists(file):
+        raise SystemExit(f"--resume {path}: no shard for rank {rank} ({file})")
+    ckpt = torch.load(file, weights_only=False)
+    if ckpt["layout"] != layout_of(state) or ckpt["config"] != asdict(cfg):
+        raise SystemExit(
+            f"--resume {path}: saved with layout {ckpt['layout']} and model {ckpt['config']}; "
+            f"this run is {layout_of(state)} and {asdict(cfg)}. Resharding is not supported: "
+            "resume with the layout and model it was saved with."
+        )
+    module.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+    return ckpt["step"], ckpt["history"]
+
+
+def progress(step, steps, loss, tokens_per_s):
+    done = int(30 * step / steps)
+    bar = "#" * done + "." * (30 - done)
+    line = f"[{bar}] step {step}/{steps} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"
+    if sys.stdout.isatty():
+        print("\r" + line, end="" if step < steps else "\n", flush=True)
+    elif step % 20 == 0 or step == steps:
+        print(line, flush=True)
+
+
+def plot(history, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h[0] for h in history], [h[1] for h in history])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("train_gpt.py")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tensor-parallel", type=int, default=2)
+    p.add_argument("--pipeline-parallel", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=500, help="train until this step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--save", help="directory for a checkpoint at the end")
+    p.add_argument("--resume", help="directory of a checkpoint to continue from")
+    p.add_argument("--plot", default="gpt_loss.png", help="loss curve PNG ('' for none)")
+    p.add_argument("--losses", help="write [step, loss] of every step to this JSON file")
+    p.add_argument("--backend", default=None)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    state = dsparallel.init_parallel(args.tensor_parallel, args.pipeline_parallel, args.backend)
+    rank = dist.get_rank()
+    if args.batch_size % (state.dp_size * args.micro_batches):
+        raise SystemExit(
+            f"--batch-size {args.batch_size} must divide into {state.dp_size} data-parallel "
+            f"replicas x {args.micro_batches} micro-batches"
+        )
+    cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
+    module = build_stage(cfg, state.pp_rank, state.pp_size, group=state.tp_group)
+    if state.dp_size > 1:
+        module = dsparallel.DistributedDataParallel(module, process_group=state.dp_group)
+    stage = PipelineStage(
+        module,
+        state.pp_rank,
+        state.pp_size,
+        group=state.pp_group,
+        checkpoint=args.checkpoint_activations,
+    )
+    schedule = Schedule1F1B(stage, args.micro_batches, loss_fn=gpt_loss(state.tp_group))
+    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+
+    start, history = 0, []
+    if args.resume:
+        start, history = resume(args.resume, rank, state, cfg, module, opt)
+    corpus = load_corpus()
+    if rank == 0:
+        n = sum(p.numel() for p in module.parameters())
+        print(
+            f"GPT {cfg.layers} layers x {cfg.hidden} hidden on {dist.get_world_size()} ranks: "
+            f"tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "
+            f"{args.micro_batches} micro-batches, {n:,} parameters on rank 0; "
+            f"{len(corpus):,} characters of text" + (f"; resumed at step {start}" if start else ""),
+            flush=True,
+        )
+
+    per_replica = args.batch_size // state.dp_size
+    t0, tokens = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        ids, target = batch(corpus, step, args.batch_size, args.seq)
+        mine = slice(state.dp_rank * per_replica, (state.dp_rank + 1) * per_replica)
+        losses = []
+        inputs = (ids[mine],) if stage.is_first else ()
+        if stage.is_last:
+            schedule.step(*inputs, target=target[mine], losses=losses)
+        else:
+            schedule.step(*inputs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # The loss lives on the last stage: its mean over the data-parallel
+        # replicas reaches every rank through one small all-reduce.
+        contribution = torch.zeros(1)
+        if stage.is_last and state.tp_rank == 0:
+            contribution += torch.stack(losses).mean() / state.dp_size
+        dist.all_reduce(contribution)
+        loss = contribution.item()
+        history.append((step + 1, loss))
+        tokens += args.batch_size * args.seq
+        if rank == 0:
+            progress(step + 1, args.steps, loss, tokens / (time.perf_counter() - t0))
+    elapsed = time.perf_counter() - t0
+
+    if args.save:
+        save(args.save, rank, state, cfg, args.steps, module, opt, history)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    peaks = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    if rank == 0 and history:
+        ran = history[-(args.steps - start) :] if args.steps > start else []
+        print(
+            f"summary: loss {history[0][1]:.4f} (step {history[0][0]}) -> "
+            f"{history[-1][1]:.4f} (step {history[-1][0]}); "
+            f"{tokens / elapsed if ran else 0:,.0f} tokens/s over {len(ran)} steps; "
+            "peak RSS per rank (MB): " + ", ".join(f"{p.item():.0f}" for p in peaks)
+        )
+        if args.losses:
+            with open(args.losses, "w") as f:
+                json.dump(history, f)
+        if args.plot:
+            plot(history, args.plot)
+            print(f"loss curve: {args.plot}")
+    dsparallel.destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
