@@ -1,0 +1,131 @@
+"""Hybrid DP x TP x PP: the layout, and the GPT job held against one process.
+
+The GPT job (examples/train_gpt.py) runs under torchrun on 4 processes in
+several layouts; the same model and batches trained in one process with a
+plain loop (no pipeline, no DDP, groups of one) must give the same losses
+(float32, within 1e-4 relative, as the issue states).
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from test_examples import ROOT, _torchrun
+
+import dsparallel
+
+STEPS = 10
+SMALL = ["--hidden", "64", "--layers", "4", "--seq", "32", "--batch-size", "8"]
+
+
+def _train_gpt_module():
+    spec = importlib.util.spec_from_file_location(
+        "train_gpt", os.path.join(ROOT, "examples", "train_gpt.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _one_process_losses(rank, world, steps):
+    from dsparallel.models import GPTConfig, build_stage, gpt_loss
+
+    job = _train_gpt_module()
+    cfg = GPTConfig(seq_len=32, hidden=64, heads=4, layers=4)
+    model = build_stage(cfg)  # the whole model; the world is one process
+    loss_fn = gpt_loss()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    corpus = job.load_corpus()
+    losses = []
+    for step in range(steps):
+        ids, target = job.batch(corpus, step, 8, 32)
+        loss = loss_fn(model(ids), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(_one_process_losses, 1, STEPS)[0]
+
+
+def _run_job(tmp_path, name, *args):
+    out_file = tmp_path / f"{name}.json"
+    _torchrun("train_gpt.py", *SMALL, "--plot", "", "--losses", str(out_file), *args, nproc=4)
+    return json.loads(out_file.read_text())
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--tensor-parallel", "2", "--pipeline-parallel", "2"),
+        ("--tensor-parallel", "2", "--pipeline-parallel", "1"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "2"),
+    ],
+    ids=["tp2-pp2", "tp2-dp2", "pp2-dp2"],
+)
+def test_gpt_layouts_match_one_process(tmp_path, reference, layout):
+    history = _run_job(tmp_path, "run", "--steps", str(STEPS), *layout)
+    losses = [loss for _, loss in history]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=0)
+    assert losses[-1] < losses[0]
+
+
+def test_gpt_checkpointing_matches(tmp_path, reference):
+    history = _run_job(tmp_path, "ckpt", "--steps", "4", "--checkpoint-activations")
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in history]), torch.tensor(reference[:4]), rtol=1e-4, atol=0
+    )
+
+
+def test_gpt_resume_equals_uninterrupted_run(tmp_path):
+    whole = _run_job(tmp_path, "whole", "--steps", "6")
+    ckpt = tmp_path / "ckpt"
+    _run_job(tmp_path, "first", "--steps", "3", "--save", str(ckpt))
+    resumed = _run_job(tmp_path, "resumed", "--steps", "6", "--resume", str(ckpt))
+    assert [s for s, _ in resumed] == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in resumed]),
+        torch.tensor([v for _, v in whole]),
+        rtol=1e-6,
+        atol=0,
+    )
+    with pytest.raises(AssertionError, match="resume with the layout and model it was saved with"):
+        _run_job(tmp_path, "other", "--steps", "6", "--resume", str(ckpt), "--tensor-parallel", "1")
+
+
+# ------------------------------------------------------------------ layout
+
+
+def _layout_body(rank, world):
+    state = dsparallel.init_parallel(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (state.tp_size, state.pp_size, state.dp_size) == (2, 2, 1)
+    # (pp, dp, tp) row-major: tensor-parallel ranks are adjacent.
+    assert dist.get_process_group_ranks(state.tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert dist.get_process_group_ranks(state.pp_group) == [rank % 2, rank % 2 + 2]
+    assert (state.tp_rank, state.pp_rank, state.dp_rank) == (rank % 2, rank // 2, 0)
+    assert state.mesh.mesh_dim_names == ("pp", "dp", "tp")
+    # The tensor-parallel layers now default to the tp group.
+    layer = dsparallel.tensor_parallel.ColumnParallelLinear(4, 8)
+    assert layer.tp_size == 2 and layer.weight.shape == (4, 4)
+    with pytest.raises(RuntimeError, match="already called"):
+        dsparallel.init_parallel(2)
+    dsparallel.destroy_parallel()
+    assert dist.is_initialized()  # it did not create the default group
+    with pytest.raises(ValueError, match=r"world size 4 is not divisible by .* \(3\) x .* = 3"):
+        dsparallel.init_parallel(tensor_parallel_size=3)
+    state = dsparallel.init_parallel(tensor_parallel_size=1, pipeline_parallel_size=1)
+    assert state.dp_size == 4
+    dsparallel.destroy_parallel()
+    return True
+
+
+def test_init_parallel_layout():
+    run_ranks(_layout_body, 4)
