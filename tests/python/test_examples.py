@@ -55,3 +55,28 @@ def test_tensor_parallel_example_learns():
     first, last = (float(v) for v in done.split("loss ")[1].split(",")[0].split(" -> "))
     assert last < first - 1.0, done
     assert "replicated parameters agree" in done
+
+
+def _python(script, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "examples", script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_model_parallel_example_matches_one_device():
+    out = _python("model_parallel.py", "--steps", "60")
+    assert "max difference from the one-device model" in out
+
+
+def test_activation_checkpointing_example_saves_memory():
+    out = _python("activation_checkpointing.py", "--depth", "4", "--batch", "128")
+    assert "gradients equal: True" in out and "less)" in out
+
+
+def test_train_gpt_default_layout_runs(tmp_path):
+    png = tmp_path / "loss.png"
+    out = _torchrun("train_gpt.py", "--steps", "30", "--hidden", "64", "--plot", str(png), nproc=4)
+    summary = next(line for line in out.splitlines() if line.startswith("summary:"))
+    assert "tokens/s" in summary and "peak RSS per rank" in summary
+    assert png.stat().st_size > 1000
