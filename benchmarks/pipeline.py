@@ -18,37 +18,10 @@ import os
 import statistics
 import sys
 import time
-import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_ranks  # noqa: E402
-
-
-class SavedBytes:
-    """Peak bytes of distinct storages saved for backward (weights count once)."""
-
-    def __init__(self):
-        self.refs: dict[int, list] = {}
-        self.live = self.peak = 0
-
-    def pack(self, t):
-        key = t.untyped_storage().data_ptr()
-        entry = self.refs.get(key)
-        if entry is None:
-            entry = self.refs[key] = [t.untyped_storage().nbytes(), 0]
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-        entry[1] += 1
-        weakref.finalize(t, self._release, key)
-        return t
-
-    def _release(self, key):
-        entry = self.refs.get(key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.live -= entry[0]
-                del self.refs[key]
+from memory import SavedBytes  # noqa: E402
 
 
 def _stage_module(index, width, blocks):

@@ -23,7 +23,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,72 @@ def plot(history, path):
     plt.close(fig)
 
 
+@dataclass
+class Job:
+    """One rank's part of the hybrid job."""
+
+    cfg: GPTConfig
+    state: dsparallel.ParallelState
+    module: torch.nn.Module  # this stage's layers (wrapped in DDP when dp > 1)
+    stage: PipelineStage
+    schedule: Schedule1F1B
+    opt: torch.optim.Optimizer
+    micro_batches: int
+    batch_size: int
+
+
+def make_job(
+    cfg: GPTConfig,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    micro_batches: int,
+    batch_size: int,
+    lr: float = 2e-3,
+    checkpoint: bool = False,
+    backend: str | None = None,
+) -> Job:
+    """Lays out the ranks, builds this rank's stage, wraps it in DDP across
+    its replicas and in the 1F1B schedule across the stages."""
+    state = dsparallel.init_parallel(tensor_parallel, pipeline_parallel, backend)
+    if batch_size % (state.dp_size * micro_batches):
+        raise SystemExit(
+            f"--batch-size {batch_size} must divide into {state.dp_size} data-parallel "
+            f"replicas x {micro_batches} micro-batches"
+        )
+    module = build_stage(
+        cfg, state.pp_rank, state.pp_size, group=state.tp_group, checkpoint=checkpoint
+    )
+    if state.dp_size > 1:
+        module = dsparallel.DistributedDataParallel(module, process_group=state.dp_group)
+    stage = PipelineStage(module, state.pp_rank, state.pp_size, group=state.pp_group)
+    schedule = Schedule1F1B(stage, micro_batches, loss_fn=gpt_loss(state.tp_group))
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    return Job(cfg, state, module, stage, schedule, opt, micro_batches, batch_size)
+
+
+def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
+    """One optimizer step on the step's batch; returns the loss (every rank)."""
+    state, stage = job.state, job.stage
+    ids, target = batch(corpus, step, job.batch_size, job.cfg.seq_len)
+    per_replica = job.batch_size // state.dp_size
+    mine = slice(state.dp_rank * per_replica, (state.dp_rank + 1) * per_replica)
+    losses = []
+    inputs = (ids[mine],) if stage.is_first else ()
+    if stage.is_last:
+        job.schedule.step(*inputs, target=target[mine], losses=losses)
+    else:
+        job.schedule.step(*inputs)
+    job.opt.step()
+    job.opt.zero_grad(set_to_none=True)
+    # The loss lives on the last stage: its mean over the data-parallel
+    # replicas reaches every rank through one small all-reduce.
+    contribution = torch.zeros(1)
+    if stage.is_last and state.tp_rank == 0:
+        contribution += torch.stack(losses).mean() / state.dp_size
+    dist.all_reduce(contribution)
+    return contribution.item()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tensor-parallel", type=int, default=2)
@@ -138,26 +204,19 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    state = dsparallel.init_parallel(args.tensor_parallel, args.pipeline_parallel, args.backend)
-    rank = dist.get_rank()
-    if args.batch_size % (state.dp_size * args.micro_batches):
-        raise SystemExit(
-            f"--batch-size {args.batch_size} must divide into {state.dp_size} data-parallel "
-            f"replicas x {args.micro_batches} micro-batches"
-        )
     cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
-    module = build_stage(cfg, state.pp_rank, state.pp_size, group=state.tp_group)
-    if state.dp_size > 1:
-        module = dsparallel.DistributedDataParallel(module, process_group=state.dp_group)
-    stage = PipelineStage(
-        module,
-        state.pp_rank,
-        state.pp_size,
-        group=state.pp_group,
+    job = make_job(
+        cfg,
+        args.tensor_parallel,
+        args.pipeline_parallel,
+        args.micro_batches,
+        args.batch_size,
+        lr=args.lr,
         checkpoint=args.checkpoint_activations,
+        backend=args.backend,
     )
-    schedule = Schedule1F1B(stage, args.micro_batches, loss_fn=gpt_loss(state.tp_group))
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+    state, module, opt = job.state, job.module, job.opt
+    rank = dist.get_rank()
 
     start, history = 0, []
     if args.resume:
@@ -168,31 +227,14 @@ def main() -> None:
         print(
             f"GPT {cfg.layers} layers x {cfg.hidden} hidden on {dist.get_world_size()} ranks: "
             f"tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "
-            f"{args.micro_batches} micro-batches, {n:,} parameters on rank 0; "
+            f"{job.micro_batches} micro-batches, {n:,} parameters on rank 0; "
             f"{len(corpus):,} characters of text" + (f"; resumed at step {start}" if start else ""),
             flush=True,
         )
 
-    per_replica = args.batch_size // state.dp_size
     t0, tokens = time.perf_counter(), 0
     for step in range(start, args.steps):
-        ids, target = batch(corpus, step, args.batch_size, args.seq)
-        mine = slice(state.dp_rank * per_replica, (state.dp_rank + 1) * per_replica)
-        losses = []
-        inputs = (ids[mine],) if stage.is_first else ()
-        if stage.is_last:
-            schedule.step(*inputs, target=target[mine], losses=losses)
-        else:
-            schedule.step(*inputs)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        # The loss lives on the last stage: its mean over the data-parallel
-        # replicas reaches every rank through one small all-reduce.
-        contribution = torch.zeros(1)
-        if stage.is_last and state.tp_rank == 0:
-            contribution += torch.stack(losses).mean() / state.dp_size
-        dist.all_reduce(contribution)
-        loss = contribution.item()
+        loss = train_step(job, corpus, step)
         history.append((step + 1, loss))
         tokens += args.batch_size * args.seq
         if rank == 0:

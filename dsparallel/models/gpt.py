@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import tensor_parallel as tp
+from ..checkpoint import checkpoint as recompute
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,13 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, group):
+    """Pre-LayerNorm transformer block. With ``checkpoint`` only its input is
+    kept for backward and the rest is recomputed (per block, as Megatron's
+    full recomputation does), with the same dropout masks."""
+
+    def __init__(self, cfg: GPTConfig, group, checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.ln1, self.ln2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
         self.attn = tp.ParallelAttention(
             cfg.hidden, cfg.heads, group=group, causal=True, dropout=cfg.dropout
@@ -53,6 +59,11 @@ class Block(nn.Module):
         self.mlp = tp.ParallelMLP(cfg.hidden, 4 * cfg.hidden, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            return recompute(self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -86,9 +97,11 @@ def build_stage(
     num_stages: int = 1,
     group: dist.ProcessGroup | None = None,
     seed: int = 0,
+    checkpoint: bool = False,
 ) -> nn.Sequential:
     """The layers of pipeline stage ``stage`` (all of them for one stage),
-    tensor-parallel over ``group``."""
+    tensor-parallel over ``group``; ``checkpoint`` recomputes each block's
+    activations in backward."""
     if cfg.vocab_size % _group_size(group):
         raise ValueError(
             f"vocab_size={cfg.vocab_size} must be divisible by the tensor-parallel size "
@@ -104,7 +117,7 @@ def build_stage(
     if stage == 0:
         layers.append(seeded(0, lambda: Embedding(cfg, group)))
     for i in stage_blocks(cfg.layers, stage, num_stages):
-        layers.append(seeded(1 + i, lambda: Block(cfg, group)))
+        layers.append(seeded(1 + i, lambda: Block(cfg, group, checkpoint)))
     if stage == num_stages - 1:
         layers.append(seeded(1 + cfg.layers, lambda: Head(cfg, group)))
     return nn.Sequential(*layers)

@@ -87,12 +87,26 @@ def _maps_body(rank, world):
     close(y, chunk(total, 0, rank, world), "sp reduce-scatter forward")
     close(gx, torch.cat([chunk(grad_of[r], 0, r, world) for r in range(world)], 0), "sp rs bwd")
 
-    # The ops themselves, called directly (not through the wrappers), and
-    # their backward nodes called directly.
-    x = leaf(mine)
-    y = torch.ops.dsparallel.copy_to_tensor_parallel_region(x, g.group_name)
-    gx = y.grad_fn(grad_of[rank])
-    close(gx, sum(grad_of), "copy backward node")
+    # The ops themselves, called directly (not through the wrappers), with
+    # their backward nodes called directly: the same gradients as above.
+    ops = torch.ops.dsparallel
+    for op, x, g_out in [
+        (ops.copy_to_tensor_parallel_region, mine, grad_of[rank]),
+        (ops.reduce_from_tensor_parallel_region, mine, grad_of[rank]),
+        (ops.scatter_to_tensor_parallel_region, full, chunk(grad_of[rank], -1, rank, world)),
+        (ops.gather_from_tensor_parallel_region, chunk(mine, -1, rank, world), full),
+        (ops.scatter_to_sequence_parallel_region, full, chunk(grad_of[rank], 0, rank, world)),
+        (ops.gather_from_sequence_parallel_region, chunk(mine, 0, rank, world), grad_of[rank]),
+        (
+            ops.reduce_scatter_to_sequence_parallel_region,
+            mine,
+            chunk(grad_of[rank], 0, rank, world),
+        ),
+    ]:
+        y = op(leaf(x), g.group_name)
+        direct = y.grad_fn(g_out)
+        _, want = run(lambda t, grp, op=op: op(t, grp.group_name), x, g_out)
+        close(direct, want, f"{op} backward node")
 
     # A size that does not split names the numbers.
     with pytest.raises(RuntimeError, match="not divisible by the group size"):
