@@ -17,15 +17,24 @@ PYBIND11_MODULE(_C, m) {
              c10::intrusive_ptr<dsparallel::ProcessGroupDSP>>(m, "ProcessGroupDSP")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout,
-                       c10::intrusive_ptr<c10d::Backend> p2p) {
+                       c10::intrusive_ptr<c10d::Backend> p2p, int local_rank,
+                       int local_size, c10::intrusive_ptr<c10d::Backend> inter,
+                       std::vector<int> host_ranks, std::vector<int> inter_ranks) {
+             dsparallel::Topology topology{local_rank, local_size, std::move(inter),
+                                           std::move(host_ranks), std::move(inter_ranks)};
              return c10::make_intrusive<dsparallel::ProcessGroupDSP>(
-                 store, rank, size, timeout, std::move(p2p));
+                 store, rank, size, timeout, std::move(p2p), std::move(topology));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("p2p") = nullptr,
+           py::arg("p2p") = nullptr, py::arg("local_rank") = -1,
+           py::arg("local_size") = -1, py::arg("inter") = nullptr,
+           py::arg("host_ranks") = std::vector<int>{},
+           py::arg("inter_ranks") = std::vector<int>{},
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName);
+      .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName)
+      .def_property_readonly("hierarchical", &dsparallel::ProcessGroupDSP::hierarchical)
+      .def_property_readonly("multi_host", &dsparallel::ProcessGroupDSP::multiHost);
 
   py::class_<dsparallel::Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -12,14 +14,33 @@ import torch.distributed as dist
 from . import _C
 
 BACKEND_NAME = "dsp"
+NODE_ID_ENV = "DSP_NODE_ID"
+
+
+def node_id() -> str:
+    """This process's host identity: ``$DSP_NODE_ID`` if set (so that tests
+    can make one machine act as several hosts), else the host name."""
+    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
+
+
+def _topology(store, rank: int, size: int):
+    """Every rank's host, through the group's store: (host index of each
+    rank, in order of first appearance)."""
+    store.set(f"dsp-node/{rank}", node_id())
+    names = [store.get(f"dsp-node/{r}").decode() for r in range(size)]
+    order = {n: i for i, n in enumerate(dict.fromkeys(names))}
+    return [order[n] for n in names]
 
 
 def _create_backend(dist_backend_opts, backend_options=None):
     """Creator called by torch.distributed for every group that uses "dsp".
 
-    Collectives go over shared memory (C++). Point-to-point send/recv ride an
-    internal gloo group on its own store prefix: gloo already does tagged
-    pairwise transfers well.
+    Collectives among the ranks of one host go over shared memory (C++).
+    Point-to-point send/recv ride an internal gloo group on its own store
+    prefix: gloo already does tagged pairwise transfers well. When the group
+    spans hosts, that gloo group also carries the collectives other than
+    all-reduce, and all-reduce is hierarchical: shared memory within each
+    host, gloo between the ranks with the same local index on each host.
     """
     store = dist_backend_opts.store
     rank = dist_backend_opts.group_rank
@@ -28,7 +49,35 @@ def _create_backend(dist_backend_opts, backend_options=None):
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     p2p = dist.ProcessGroupGloo(dist.PrefixStore("dsp-p2p/", store), rank, size, timeout)
-    return _C.ProcessGroupDSP(store, rank, size, timeout, p2p)
+    hosts = _topology(store, rank, size)
+    if len(set(hosts)) == 1:
+        return _C.ProcessGroupDSP(store, rank, size, timeout, p2p)
+    mine = hosts[rank]
+    local = [r for r in range(size) if hosts[r] == mine]
+    counts = {h: hosts.count(h) for h in set(hosts)}
+    inter, peers = None, []
+    if len(set(counts.values())) == 1:
+        # The ranks with this rank's local index on every host, in host order.
+        index = local.index(rank)
+        local_index = {}
+        for r in range(size):
+            local_index[r] = sum(1 for q in range(r) if hosts[q] == hosts[r])
+        peers = [r for r in range(size) if local_index[r] == index]
+        inter = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"dsp-inter/{index}/", store), peers.index(rank), len(peers), timeout
+        )
+    return _C.ProcessGroupDSP(
+        dist.PrefixStore(f"dsp-host/{mine}/", store),
+        rank,
+        size,
+        timeout,
+        p2p,
+        local_rank=local.index(rank),
+        local_size=len(local),
+        inter=inter,
+        host_ranks=local,
+        inter_ranks=peers,
+    )
 
 
 def register() -> None:

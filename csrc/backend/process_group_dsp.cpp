@@ -81,8 +81,11 @@ bool WorkDSP::wait(std::chrono::milliseconds /*timeout*/) {
 
 ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, std::chrono::milliseconds timeout,
-                                 c10::intrusive_ptr<c10d::Backend> p2p)
-    : c10d::Backend(rank, size), p2p_(std::move(p2p)) {
+                                 c10::intrusive_ptr<c10d::Backend> p2p, Topology topology)
+    : c10d::Backend(rank, size), p2p_(std::move(p2p)), topology_(std::move(topology)) {
+  const int comm_rank = multiHost() ? topology_.local_rank : rank;
+  const int comm_size = multiHost() ? topology_.local_size : size;
+  TORCH_CHECK(!multiHost() || p2p_, "dsp: a group spanning hosts needs the gloo group");
   dsp::ShmOptions options;
   options.chunk_bytes = envBytes("DSP_CHUNK_BYTES", options.chunk_bytes);
   options.one_shot_max_bytes = envBytes("DSP_ONE_SHOT_BYTES", options.one_shot_max_bytes);
@@ -91,7 +94,7 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.yields = envInt("DSP_YIELDS", options.yields);
   // The store handed to a backend is already prefixed per group, so each
   // group (and each job, with its own store) gets its own segment.
-  if (rank == 0) {
+  if (comm_rank == 0) {
     segment_name_ = dsp::Segment::randomName();
     store->set(kSegmentKey,
                std::vector<uint8_t>(segment_name_.begin(), segment_name_.end()));
@@ -99,7 +102,7 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
     const auto bytes = store->get(kSegmentKey);
     segment_name_.assign(bytes.begin(), bytes.end());
   }
-  comm_ = std::make_unique<dsp::ShmComm>(segment_name_, rank, size, options);
+  comm_ = std::make_unique<dsp::ShmComm>(segment_name_, comm_rank, comm_size, options);
   worker_ = std::thread([this] { workerLoop(); });
 }
 

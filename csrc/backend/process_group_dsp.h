@@ -12,6 +12,11 @@
 // Point-to-point send/recv go through an internal gloo backend that the
 // Python creator builds beside this one: gloo already does tagged pairwise
 // transfers well.
+//
+// Several hosts: the creator finds which ranks share a host (through the
+// store) and hands this group the host's ranks (`Topology`). The shared-memory
+// comm then spans only this host; all-reduce is hierarchical (see
+// hierarchical.cpp) and the other collectives run over the world gloo group.
 #pragma once
 
 #include <chrono>
@@ -53,11 +58,25 @@ class WorkDSP : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// Where this rank sits when the group spans several hosts.
+struct Topology {
+  int local_rank = -1;  // among the ranks of this host; -1: a single host
+  int local_size = -1;
+  // Gloo group of the ranks with this local_rank on every host (null when
+  // hosts hold unequal numbers of ranks: all-reduce then goes flat over gloo).
+  c10::intrusive_ptr<c10d::Backend> inter;
+  // Global ranks of this host (in local order) and of `inter`, for messages.
+  std::vector<int> host_ranks;
+  std::vector<int> inter_ranks;
+};
+
 class ProcessGroupDSP : public c10d::Backend {
  public:
+  // `store` is used to share the segment name among the ranks of the
+  // shared-memory comm (the host's ranks when `topology` says so).
   ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout,
-                  c10::intrusive_ptr<c10d::Backend> p2p);
+                  c10::intrusive_ptr<c10d::Backend> p2p, Topology topology = {});
   ~ProcessGroupDSP() override;
 
   const std::string getBackendName() const override { return "dsp"; }
@@ -122,12 +141,23 @@ class ProcessGroupDSP : public c10d::Backend {
 
   // The shared-memory segment name (tests check it is gone from /dev/shm).
   const std::string& segmentName() const { return segment_name_; }
+  // True when the group spans several hosts.
+  bool multiHost() const {
+    return topology_.local_size > 0 && topology_.local_size != getSize();
+  }
+  bool hierarchical() const { return multiHost() && topology_.inter; }
 
  private:
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs,
                                          std::function<void()> run);
   void workerLoop();
+  // The collectives other than all-reduce when the group spans hosts: the
+  // world gloo group, which must exist.
+  c10d::Backend& flat(const char* what);
+  // Intra-host reduce-scatter, inter-host all-reduce of this rank's slice,
+  // intra-host all-gather (hierarchical.cpp).
+  void hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp op);
   // Pops and runs the next queued work if no other thread is running one.
   // Called and returns with `lock` held.
   bool runOne(std::unique_lock<std::mutex>& lock);
@@ -135,6 +165,7 @@ class ProcessGroupDSP : public c10d::Backend {
   std::unique_ptr<dsp::ShmComm> comm_;
   std::string segment_name_;
   c10::intrusive_ptr<c10d::Backend> p2p_;
+  Topology topology_;
 
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished

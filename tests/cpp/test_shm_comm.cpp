@@ -129,6 +129,32 @@ TEST(ShmComm, AllReduceEveryDTypeBothAlgorithms) {
   }
 }
 
+// A pipelined all-reduce ends with a step whose ranks read the previous
+// step's slots; a rank that races ahead into a collective writing whole slots
+// (broadcast) must not overwrite them before the slow ranks have read. Run
+// back to back many times, with more ranks than cores so that ranks fall
+// behind, every result must be exact.
+TEST(ShmComm, PipelinedAllReduceThenBroadcastBackToBack) {
+  const int n = 4;
+  expectNoErrors(runRanks(n, [n](ShmComm& c) {
+    const size_t count = 3 * 1024 + 17;  // several 4 KiB chunks of int32
+    for (int iter = 0; iter < 300; ++iter) {
+      std::vector<int32_t> v(count);
+      for (size_t i = 0; i < count; ++i)
+        v[i] = (c.rank() + 1) * static_cast<int>(i % 7) + iter;
+      c.allReduce(v.data(), v.data(), count, info(Collective::kAllReduce));
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(v[i], n * (n + 1) / 2 * static_cast<int>(i % 7) + n * iter)
+            << "iter " << iter << " i " << i;
+      }
+      std::vector<int32_t> b(2048, c.rank() == 0 ? -iter : 0);
+      c.broadcast(b.data(), b.size() * sizeof(int32_t),
+                  info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, 0));
+      for (int32_t x : b) ASSERT_EQ(x, -iter);
+    }
+  }));
+}
+
 TEST(ShmComm, BroadcastReduceGatherScatter) {
   for (int n : kWorlds) {
     expectNoErrors(runRanks(n, [n](ShmComm& c) {

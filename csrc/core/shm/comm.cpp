@@ -374,7 +374,8 @@ void ShmComm::allReduceOneShot(const void* in, void* out, size_t count,
 //   4. copies segment k-1's reduced slices from every rank's `out` half of
 //      slot (k-1)%2 into its output (written in step k-1, before the peers
 //      arrived at k).
-// One extra step drains the last segment. Each rank touches about 3.5x the
+// One extra step drains the last segment (and one step number is skipped
+// after it, see the end). Each rank touches about 3.5x the
 // message (copy in, 1/n reduce, copy out) instead of n+2 times.
 void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
                                      const CallInfo& info) {
@@ -412,6 +413,13 @@ void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
     }
     prev = s;
   }
+  // The last step read the previous step's slots after arriving, unlike every
+  // other step of every collective. Skip one step number, so that the next
+  // collective starts on the other half of the double buffer: a rank that
+  // races ahead into it cannot overwrite what a slower rank is still
+  // copying out. (Once it arrives at its own first step, everyone is past
+  // this one.)
+  nextStep();
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+// All-reduce across hosts, hierarchically.
+//
+// A flat all-reduce over gloo moves every byte across the network from every
+// rank. With H hosts of L ranks each, "dsp" instead:
+//   1. reduce-scatters within the host over shared memory: local rank i ends
+//      with the host's reduction of slice i (1/L of the tensor);
+//   2. all-reduces slice i across hosts over gloo, among the ranks with local
+//      rank i (one per host): L all-reduces run side by side, each on 1/L of
+//      the data, so every rank's network link carries 1/L of the bytes;
+//   3. all-gathers the slices within the host over shared memory.
+// AVG is summed in both stages and divided by the world size once at the end.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <vector>
+
+#include "process_group_dsp.h"
+#include "tensor_adapt.h"
+
+namespace dsparallel {
+namespace {
+
+std::string listOf(const std::vector<int>& ranks) {
+  std::string out = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(ranks[i]);
+  }
+  return out + "]";
+}
+
+// Runs one stage, prefixing its error with where it ran: the shared-memory
+// comm numbers this host's ranks from 0, which the user must map back.
+template <typename Fn>
+void stage(const char* where, const std::vector<int>& ranks, Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "dsp all_reduce across hosts failed ", where, " (global ranks ",
+                listOf(ranks), ", numbered 0.. there): ", e.what());
+  }
+}
+
+}  // namespace
+
+c10d::Backend& ProcessGroupDSP::flat(const char* what) {
+  TORCH_CHECK(p2p_, "dsp ", what, ": a group spanning hosts needs its gloo group");
+  return *p2p_;
+}
+
+void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp op) {
+  const bool avg = op == c10d::ReduceOp::AVG;
+  const c10d::ReduceOp combine = avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+  const auto dtype = checkedDType(t, "all_reduce");
+  const int local = topology_.local_size;
+  const int64_t n = t.numel();
+  const int64_t per = (n + local - 1) / local;  // slice length; the tail is padded
+  const size_t slice_bytes = static_cast<size_t>(per) * t.element_size();
+
+  at::Tensor buf = at::zeros({local * per}, t.options());
+  buf.narrow(0, 0, n).copy_(t.reshape({-1}));
+  at::Tensor slice = at::empty({per}, t.options());
+  char* base = static_cast<char*>(buf.data_ptr());
+  std::vector<const void*> ins(local);
+  std::vector<void*> outs(local);
+  for (int i = 0; i < local; ++i) {
+    ins[i] = outs[i] = base + i * slice_bytes;
+  }
+
+  // 1. Within the host.
+  stage("within this host", topology_.host_ranks, [&] {
+    comm_->reduceScatter(ins.data(), slice.data_ptr(), static_cast<size_t>(per),
+                         callInfo(dsp::Collective::kReduceScatter, slice,
+                                  checkedReduceOp(combine, dtype, "all_reduce")));
+  });
+  // 2. Across hosts, this rank's slice.
+  stage("between hosts", topology_.inter_ranks, [&] {
+    std::vector<at::Tensor> across = {slice};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = combine;
+    topology_.inter->allreduce(across, opts)->wait();
+  });
+  // 3. Within the host again.
+  stage("within this host", topology_.host_ranks, [&] {
+    comm_->allGather(slice.data_ptr(), slice_bytes, outs.data(),
+                     callInfo(dsp::Collective::kAllGather, slice, dsp::ReduceOp::kSum));
+  });
+
+  at::Tensor result = buf.narrow(0, 0, n).view(t.sizes());
+  if (avg) result.div_(getSize());
+  t.copy_(result);
+}
+
+}  // namespace dsparallel

@@ -1,0 +1,218 @@
+""" "dsp" across hosts, simulated on one machine with DSP_NODE_ID, and the
+backend under load: a soak of random collectives with exactly known results,
+a second job beside the first, and leaks of shared memory, descriptors and
+threads.
+
+Integer data (int64) make every result exact, whatever the order of the sums.
+"""
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+
+def _init_as_hosts(rank, hosts_of):
+    os.environ["DSP_NODE_ID"] = f"host{hosts_of[rank]}"
+    dist.init_process_group("dsp")
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+
+
+def _values(rank, n, salt=0):
+    return torch.arange(n, dtype=torch.int64) * (rank + 1) + salt
+
+
+def _check_collectives(rank, world):
+    """Every collective kind with exactly known results."""
+    for n in (0, 1, 7, 1000, 300_001):
+        t = _values(rank, n)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(n) * sum(r + 1 for r in range(world))), n
+        t = _values(rank, n)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        assert torch.equal(t, torch.arange(n) * world), n
+        f = _values(rank, n).double()
+        dist.all_reduce(f, op=dist.ReduceOp.AVG)
+        torch.testing.assert_close(f, torch.arange(n).double() * (world + 1) / 2)
+    b = _values(rank, 10) if rank == 1 else torch.zeros(10, dtype=torch.int64)
+    dist.broadcast(b, src=1)
+    assert torch.equal(b, _values(1, 10))
+    outs = [torch.empty(5, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(outs, _values(rank, 5))
+    assert all(torch.equal(o, _values(r, 5)) for r, o in enumerate(outs))
+    out = torch.empty(3, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, _values(rank, 3 * world))
+    want = sum(_values(r, 3 * world) for r in range(world))[3 * rank : 3 * rank + 3]
+    assert torch.equal(out, want)
+    got = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(got, torch.arange(world, dtype=torch.int64) + 10 * rank)
+    assert torch.equal(got, torch.arange(world, dtype=torch.int64) * 10 + rank)
+    dist.barrier()
+    if rank == 0:
+        dist.send(torch.tensor([42]), dst=world - 1)
+    elif rank == world - 1:
+        r = torch.zeros(1, dtype=torch.int64)
+        dist.recv(r, src=0)
+        assert r.item() == 42
+
+
+def _two_hosts_body(rank, world, hosts_of, hierarchical):
+    backend = _init_as_hosts(rank, hosts_of)
+    assert backend.multi_host and backend.hierarchical == hierarchical
+    _check_collectives(rank, world)
+    dist.destroy_process_group()
+    return True
+
+
+def test_two_hosts_of_two_ranks_hierarchical():
+    run_ranks(_two_hosts_body, 4, [0, 0, 1, 1], True, init=False)
+
+
+def test_unequal_hosts_fall_back_to_flat():
+    run_ranks(_two_hosts_body, 3, [0, 0, 1], False, init=False)
+
+
+def _ddp_body(rank, world, hosts_of):
+    import dsparallel
+
+    if hosts_of is not None:
+        _init_as_hosts(rank, hosts_of)
+    else:
+        dist.init_process_group("dsp")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = dsparallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8 * world, 16, generator=g), torch.randn(8 * world, 4, generator=g)
+        opt.zero_grad()
+        (ddp(x[8 * rank : 8 * rank + 8]) - y[8 * rank : 8 * rank + 8]).square().mean().backward()
+        opt.step()
+    params = [p.detach().tolist() for p in model.parameters()]  # plain data through the queue
+    dist.destroy_process_group()
+    return params
+
+
+def test_ddp_across_two_hosts_equals_one_host():
+    two = run_ranks(_ddp_body, 4, [0, 0, 1, 1], init=False)
+    one = run_ranks(_ddp_body, 4, None, init=False)
+    for a, b in zip(two[0], one[0]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+
+
+def _killed_body(rank, world):
+    _init_as_hosts(rank, [0, 0, 1, 1])
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if rank == 3:
+        os._exit(0)  # dies before the next all-reduce
+    with pytest.raises(RuntimeError) as err:
+        dist.all_reduce(torch.ones(100_000))
+    return str(err.value)
+
+
+def test_killed_rank_during_cross_host_all_reduce_raises_everywhere():
+    messages = run_ranks(_killed_body, 4, init=False, pg_timeout_s=8, timeout=90, allow_exit=(3,))
+    # Rank 3's host peer finds it dead in shared memory (local rank 1 of the
+    # host whose global ranks are [2, 3]); the other host loses its gloo peers.
+    assert "within this host (global ranks [2, 3]" in messages[2], messages[2]
+    assert "rank(s) [1] did not arrive (a peer process died)" in messages[2], messages[2]
+    for rank in (0, 1):
+        assert "between hosts" in messages[rank], messages[rank]
+
+
+# --------------------------------------------------------------------- load
+
+KINDS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "barrier"]
+
+
+def _resources():
+    return (
+        len(os.listdir("/proc/self/fd")),
+        threading.active_count(),
+        len(os.listdir("/proc/self/task")),
+    )
+
+
+def _soak_body(rank, world, count, seed):
+    # A first group up and down, so that what torch keeps for good (its own
+    # threads and files) is there before the count.
+    dist.init_process_group("dsp")
+    dist.barrier()
+    dist.destroy_process_group()
+    fds, py_threads, tasks = _resources()
+    dist.init_process_group("dsp")
+    rng = random.Random(seed)  # the same sequence of calls on every rank
+    wrong = 0
+    max_elems = 8 * 2**20 // 8
+    for i in range(count):
+        kind = rng.choice(KINDS)
+        n = int(2 ** rng.uniform(0, 20)) if rng.random() > 0.02 else 0
+        n = min(n - n % world, max_elems)
+        if kind == "all_reduce":
+            t = _values(rank, n, i)
+            dist.all_reduce(t)
+            wrong += int((t != sum(_values(r, n, i) for r in range(world))).sum())
+        elif kind == "broadcast":
+            root = rng.randrange(world)
+            t = _values(rank, n, i)
+            dist.broadcast(t, src=root)
+            wrong += int((t != _values(root, n, i)).sum())
+        elif kind == "all_gather":
+            out = torch.empty(world * n, dtype=torch.int64)
+            dist.all_gather_into_tensor(out, _values(rank, n, i))
+            wrong += int((out != torch.cat([_values(r, n, i) for r in range(world)])).sum())
+        elif kind == "reduce_scatter":
+            out = torch.empty(n // world, dtype=torch.int64)
+            dist.reduce_scatter_tensor(out, _values(rank, n, i))
+            full = sum(_values(r, n, i) for r in range(world))
+            wrong += int((out != full.view(world, -1)[rank]).sum())
+        elif kind == "all_to_all":
+            out = torch.empty(n, dtype=torch.int64)
+            dist.all_to_all_single(out, _values(rank, n, i))
+            want = torch.cat([_values(r, n, i).view(world, -1)[rank] for r in range(world)])
+            wrong += int((out != want).sum())
+        else:
+            dist.barrier()
+    dist.destroy_process_group()
+    after = _resources()
+    return wrong, (fds, py_threads, tasks), after
+
+
+@pytest.mark.parametrize("count", [5000])
+def test_soak_random_collectives_exact_and_leak_free(count):
+    results = run_ranks(_soak_body, 4, count, 1234, init=False, timeout=280)
+    for rank, (wrong, before, after) in enumerate(results):
+        assert wrong == 0, f"rank {rank}: {wrong} wrong values"
+        assert after == before, f"rank {rank}: fds/threads/tasks {before} -> {after}"
+
+
+def _job_body(rank, world, salt):
+    for i in range(300):
+        t = _values(rank, 1 + (i * 97) % 50_000, salt + i)
+        dist.all_reduce(t)
+        want = sum(_values(r, t.numel(), salt + i) for r in range(world))
+        assert torch.equal(t, want), f"job {salt}: wrong result at call {i}"
+    return True
+
+
+def test_two_jobs_at_once_do_not_interfere():
+    errors = []
+
+    def job(salt):
+        try:
+            run_ranks(_job_body, 2, salt, timeout=120)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=job, args=(s,)) for s in (0, 10_000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
