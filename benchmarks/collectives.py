@@ -3,6 +3,7 @@ MPI when Open MPI and mpi4py are installed), measured in the same run.
 
     python benchmarks/collectives.py [--worlds 2 4] [--collectives all_reduce ...]
                                      [--max-bytes 256M] [--plot busbw.png] [--json out.json]
+    python benchmarks/collectives.py --nodes 2 --worlds 4      # 2 simulated hosts x 2 ranks
 
 For every (collective, world size, size) it prints the time per call, algbw,
 busbw and #wrong (elements wrong in a separate, untimed correctness pass with
@@ -12,6 +13,12 @@ to ours. Conventions as nccl-tests: `size` is the bytes of the largest buffer
 for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
 Warm-up iterations come first; then three timed rounds, each reporting the
 slowest rank's mean time per call; the median round is printed.
+
+``--nodes K`` makes the ranks K simulated hosts (DSP_NODE_ID, contiguous blocks
+of ranks): "dsp" then runs hierarchically (shared memory within a host, gloo
+between hosts), against gloo flat over all ranks on the same layout. On one
+machine the "network" between the hosts is loopback TCP, the same that flat
+gloo uses.
 """
 
 from __future__ import annotations
@@ -151,7 +158,7 @@ def _time(run, size_bytes):
     return sorted(rounds)[len(rounds) // 2]
 
 
-def _worker(rank, n, collectives, sizes):
+def _worker(rank, n, collectives, sizes, nodes=1):
     import warnings
 
     import torch
@@ -162,6 +169,8 @@ def _worker(rank, n, collectives, sizes):
     # torch 2.13 marks the *_tensor collectives deprecated; they are what we measure.
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
+    if nodes > 1:
+        os.environ["DSP_NODE_ID"] = f"node{rank * nodes // n}"
     dist.init_process_group("dsp", rank=rank, world_size=n)
     groups = {"dsp": None, "gloo": dist.new_group(backend="gloo")}
     rows = []
@@ -289,15 +298,21 @@ def main():
     ap.add_argument("--plot", help="write a PNG of busbw against size")
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--no-mpi", action="store_true")
+    ap.add_argument("--nodes", type=int, default=1, help="simulated hosts (DSP_NODE_ID)")
     args = ap.parse_args()
     lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
     sizes = [s for s in DEFAULT_SIZES if lo <= s <= hi]
 
+    if args.nodes > 1:
+        print(f"{args.nodes} simulated hosts: hierarchical dsp against flat gloo")
     print(HEADER)
     rows = []
     for n in args.worlds:
-        world_rows = run_ranks(_worker, n, args.collectives, sizes)
-        if "all_reduce" in args.collectives and not args.no_mpi and _mpi_available():
+        if n % args.nodes:
+            raise SystemExit(f"--worlds {n} does not split into --nodes {args.nodes} hosts")
+        world_rows = run_ranks(_worker, n, args.collectives, sizes, args.nodes)
+        mpi_ok = args.nodes == 1 and not args.no_mpi and _mpi_available()
+        if "all_reduce" in args.collectives and mpi_ok:
             mpi = _run_mpi(n, sizes)
             for r in world_rows:
                 if r["collective"] == "all_reduce" and r["bytes"] in mpi:

@@ -6,14 +6,19 @@ threads.
 Integer data (int64) make every result exact, whatever the order of the sums.
 """
 
+import json
 import os
 import random
+import shutil
+import subprocess
+import sys
 import threading
+import uuid
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 
 
 def _init_as_hosts(rank, hosts_of):
@@ -76,13 +81,10 @@ def test_unequal_hosts_fall_back_to_flat():
     run_ranks(_two_hosts_body, 3, [0, 0, 1], False, init=False)
 
 
-def _ddp_body(rank, world, hosts_of):
+def _train_ddp(rank, world):
+    """A few SGD steps of a small model under our DDP; the parameters as lists."""
     import dsparallel
 
-    if hosts_of is not None:
-        _init_as_hosts(rank, hosts_of)
-    else:
-        dist.init_process_group("dsp")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ddp = dsparallel.DistributedDataParallel(model)
@@ -93,16 +95,116 @@ def _ddp_body(rank, world, hosts_of):
         opt.zero_grad()
         (ddp(x[8 * rank : 8 * rank + 8]) - y[8 * rank : 8 * rank + 8]).square().mean().backward()
         opt.step()
-    params = [p.detach().tolist() for p in model.parameters()]  # plain data through the queue
+    return [p.detach().tolist() for p in model.parameters()]  # plain data through the queue
+
+
+def _ddp_body(rank, world, hosts_of):
+    if hosts_of is not None:
+        _init_as_hosts(rank, hosts_of)
+    else:
+        dist.init_process_group("dsp")
+    params = _train_ddp(rank, world)
     dist.destroy_process_group()
     return params
+
+
+def _same_params(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=1e-6, atol=1e-6)
 
 
 def test_ddp_across_two_hosts_equals_one_host():
     two = run_ranks(_ddp_body, 4, [0, 0, 1, 1], init=False)
     one = run_ranks(_ddp_body, 4, None, init=False)
-    for a, b in zip(two[0], one[0]):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+    _same_params(two[0], one[0])
+
+
+# ------------------------------------------------------- torchrun, netns
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_job.py")
+
+
+def _agents(nnodes, nproc, master, per_agent_env, prefix=lambda i: []):
+    """Starts one torchrun agent per simulated host; returns rank 0's output."""
+    port = str(free_port())
+    procs = []
+    for i in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes)]
+        cmd += ["--node-rank", str(i), "--nproc-per-node", str(nproc)]
+        cmd += ["--master-addr", master, "--master-port", port, JOB]
+        env = {**os.environ, **per_agent_env(i)}
+        procs.append(
+            subprocess.Popen(
+                prefix(i) + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=180))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    return outs[0][0]
+
+
+def _parse(out):
+    layout = next(line for line in out.splitlines() if line.startswith("layout:"))
+    params = json.loads(next(line for line in out.splitlines() if line.startswith("params:"))[8:])
+    return layout, params
+
+
+def test_torchrun_two_agents_as_two_hosts():
+    layout, params = _parse(_agents(2, 2, "127.0.0.1", lambda i: {"DSP_NODE_ID": f"agent{i}"}))
+    assert "multi_host=True hierarchical=True" in layout
+    one_layout, one = _parse(_agents(1, 4, "127.0.0.1", lambda i: {}))
+    assert "multi_host=False" in one_layout
+    _same_params(params, one)
+
+
+def _netns(cmd):
+    return subprocess.run(["ip", *cmd], capture_output=True, text=True)
+
+
+def test_two_network_namespaces_joined_by_veth():
+    """Two 'hosts' that share nothing on the network but a veth pair."""
+    tag = uuid.uuid4().hex[:6]
+    ns, dev = [f"dsp{tag}{s}" for s in "ab"], [f"dv{tag}{s}" for s in "ab"]
+    addr = ["10.231.7.1", "10.231.7.2"]
+    if shutil.which("ip") is None or _netns(["netns", "add", ns[0]]).returncode != 0:
+        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    try:
+        steps = [
+            ["netns", "add", ns[1]],
+            ["link", "add", dev[0], "type", "veth", "peer", "name", dev[1]],
+        ]
+        for i in range(2):
+            steps += [
+                ["link", "set", dev[i], "netns", ns[i]],
+                ["-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", dev[i]],
+                ["-n", ns[i], "link", "set", dev[i], "up"],
+                ["-n", ns[i], "link", "set", "lo", "up"],
+            ]
+        for step in steps:
+            done = _netns(step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        out = _agents(
+            2,
+            2,
+            addr[0],
+            lambda i: {"DSP_NODE_ID": ns[i], "GLOO_SOCKET_IFNAME": dev[i]},
+            prefix=lambda i: ["ip", "netns", "exec", ns[i]],
+        )
+        layout, params = _parse(out)
+        assert "multi_host=True hierarchical=True" in layout
+    finally:
+        for n in ns:
+            _netns(["netns", "del", n])
+    one_layout, one = _parse(_agents(1, 4, "127.0.0.1", lambda i: {}))
+    _same_params(params, one)
 
 
 def _killed_body(rank, world):
