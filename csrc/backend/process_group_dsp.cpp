@@ -92,6 +92,8 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.timeout = timeout;
   options.spins = envInt("DSP_SPINS", options.spins);
   options.yields = envInt("DSP_YIELDS", options.yields);
+  hier_piece_bytes_ =
+      static_cast<int64_t>(envBytes("DSP_HIER_PIECE_BYTES", hier_piece_bytes_));
   // The store handed to a backend is already prefixed per group, so each
   // group (and each job, with its own store) gets its own segment.
   if (comm_rank == 0) {

@@ -166,6 +166,7 @@ class ProcessGroupDSP : public c10d::Backend {
   std::string segment_name_;
   c10::intrusive_ptr<c10d::Backend> p2p_;
   Topology topology_;
+  int64_t hier_piece_bytes_ = 4 << 20;  // DSP_HIER_PIECE_BYTES
 
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished
