@@ -24,12 +24,15 @@ def node_id() -> str:
 
 
 def _topology(store, rank: int, size: int):
-    """Every rank's host, through the group's store: (host index of each
-    rank, in order of first appearance)."""
-    store.set(f"dsp-node/{rank}", node_id())
-    names = [store.get(f"dsp-node/{r}").decode() for r in range(size)]
+    """Every rank's host through the group's store: the host index of each
+    rank (in order of first appearance), and how many ranks share this
+    physical machine (more than a host's when one machine plays several)."""
+    store.set(f"dsp-node/{rank}", f"{node_id()}\n{socket.gethostname()}")
+    entries = [store.get(f"dsp-node/{r}").decode().split("\n") for r in range(size)]
+    names = [e[0] for e in entries]
     order = {n: i for i, n in enumerate(dict.fromkeys(names))}
-    return [order[n] for n in names]
+    machine = sum(1 for e in entries if e[1] == socket.gethostname())
+    return [order[n] for n in names], machine
 
 
 def _create_backend(dist_backend_opts, backend_options=None):
@@ -49,7 +52,7 @@ def _create_backend(dist_backend_opts, backend_options=None):
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     p2p = dist.ProcessGroupGloo(dist.PrefixStore("dsp-p2p/", store), rank, size, timeout)
-    hosts = _topology(store, rank, size)
+    hosts, machine_ranks = _topology(store, rank, size)
     if len(set(hosts)) == 1:
         return _C.ProcessGroupDSP(store, rank, size, timeout, p2p)
     mine = hosts[rank]
@@ -77,6 +80,7 @@ def _create_backend(dist_backend_opts, backend_options=None):
         inter=inter,
         host_ranks=local,
         inter_ranks=peers,
+        machine_ranks=machine_ranks,
     )
 
 

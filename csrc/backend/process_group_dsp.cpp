@@ -90,6 +90,7 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.chunk_bytes = envBytes("DSP_CHUNK_BYTES", options.chunk_bytes);
   options.one_shot_max_bytes = envBytes("DSP_ONE_SHOT_BYTES", options.one_shot_max_bytes);
   options.timeout = timeout;
+  options.machine_ranks = topology_.machine_ranks;
   options.spins = envInt("DSP_SPINS", options.spins);
   options.yields = envInt("DSP_YIELDS", options.yields);
   hier_piece_bytes_ =

@@ -68,6 +68,9 @@ struct Topology {
   // Global ranks of this host (in local order) and of `inter`, for messages.
   std::vector<int> host_ranks;
   std::vector<int> inter_ranks;
+  // Ranks of the group on this physical machine (several simulated hosts
+  // may share it); -1: unknown.
+  int machine_ranks = -1;
 };
 
 class ProcessGroupDSP : public c10d::Backend {

@@ -132,7 +132,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
                                 std::to_string(kMaxRanks) + " ranks per host)");
   }
   options_.chunk_bytes = roundUp(std::max<size_t>(options_.chunk_bytes, kPage), kPage);
-  wait_policy_ = defaultWaitPolicy(size);
+  wait_policy_ =
+      defaultWaitPolicy(options_.machine_ranks > 0 ? options_.machine_ranks : size);
   if (options_.spins >= 0) wait_policy_.spins = options_.spins;
   if (options_.yields >= 0) wait_policy_.yields = options_.yields;
   const size_t bytes = Layout::total(size, slotBytes());

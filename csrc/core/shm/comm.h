@@ -84,6 +84,10 @@ struct ShmOptions {
   // Spin/yield budgets before sleeping; negative: defaultWaitPolicy(size).
   int spins = -1;
   int yields = -1;
+  // Processes of this job sharing the machine's cores (which decides the
+  // default wait policy); negative: the comm's size. More than the comm when
+  // one machine plays several hosts.
+  int machine_ranks = -1;
 };
 
 class ShmComm {
