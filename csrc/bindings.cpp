@@ -20,7 +20,7 @@ PYBIND11_MODULE(_C, m) {
                        c10::intrusive_ptr<c10d::Backend> p2p, int local_rank,
                        int local_size, c10::intrusive_ptr<c10d::Backend> inter,
                        std::vector<int> host_ranks, std::vector<int> inter_ranks,
-                       int machine_ranks) {
+                       int machine_ranks, c10::intrusive_ptr<c10d::Backend> cuda) {
              dsparallel::Topology topology{local_rank,
                                            local_size,
                                            std::move(inter),
@@ -28,13 +28,15 @@ PYBIND11_MODULE(_C, m) {
                                            std::move(inter_ranks),
                                            machine_ranks};
              return c10::make_intrusive<dsparallel::ProcessGroupDSP>(
-                 store, rank, size, timeout, std::move(p2p), std::move(topology));
+                 store, rank, size, timeout, std::move(p2p), std::move(topology),
+                 std::move(cuda));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("p2p") = nullptr, py::arg("local_rank") = -1,
            py::arg("local_size") = -1, py::arg("inter") = nullptr,
            py::arg("host_ranks") = std::vector<int>{},
            py::arg("inter_ranks") = std::vector<int>{}, py::arg("machine_ranks") = -1,
+           py::arg("cuda") = nullptr,
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName)

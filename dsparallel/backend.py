@@ -9,6 +9,7 @@ import os
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -35,6 +36,16 @@ def _topology(store, rank: int, size: int):
     return [order[n] for n in names], machine
 
 
+def _nccl(store, rank: int, size: int, timeout: timedelta):
+    """torch's NCCL group for the CUDA tensors of this group, when torch has
+    CUDA and NCCL and a GPU is present (its communicators start lazily)."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("dsp-nccl/", store), rank, size, options)
+
+
 def _create_backend(dist_backend_opts, backend_options=None):
     """Creator called by torch.distributed for every group that uses "dsp".
 
@@ -44,6 +55,7 @@ def _create_backend(dist_backend_opts, backend_options=None):
     spans hosts, that gloo group also carries the collectives other than
     all-reduce, and all-reduce is hierarchical: shared memory within each
     host, gloo between the ranks with the same local index on each host.
+    CUDA tensors go to torch's NCCL group.
     """
     store = dist_backend_opts.store
     rank = dist_backend_opts.group_rank
@@ -52,9 +64,10 @@ def _create_backend(dist_backend_opts, backend_options=None):
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     p2p = dist.ProcessGroupGloo(dist.PrefixStore("dsp-p2p/", store), rank, size, timeout)
+    cuda = _nccl(store, rank, size, timeout)
     hosts, machine_ranks = _topology(store, rank, size)
     if len(set(hosts)) == 1:
-        return _C.ProcessGroupDSP(store, rank, size, timeout, p2p)
+        return _C.ProcessGroupDSP(store, rank, size, timeout, p2p, cuda=cuda)
     mine = hosts[rank]
     local = [r for r in range(size) if hosts[r] == mine]
     counts = {h: hosts.count(h) for h in set(hosts)}
@@ -81,6 +94,7 @@ def _create_backend(dist_backend_opts, backend_options=None):
         host_ranks=local,
         inter_ranks=peers,
         machine_ranks=machine_ranks,
+        cuda=cuda,
     )
 
 

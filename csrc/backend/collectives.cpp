@@ -87,6 +87,9 @@ void splitBytes(const at::Tensor& t, const std::vector<int64_t>& splits, int siz
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(tensors, "all_reduce");
+  if (auto* b = route(t, "all_reduce", /*across_hosts=*/!hierarchical())) {
+    return b->allreduce(tensors, opts);
+  }
   const auto dt = checkedDType(t, "all_reduce");
   auto info = callInfo(Collective::kAllReduce, t,
                        checkedReduceOp(opts.reduceOp, dt, "all_reduce"));
@@ -94,7 +97,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
     return enqueue(c10d::OpType::ALLREDUCE, nullptr, tensors,
                    [this, t, op = opts.reduceOp] { hierarchicalAllReduce(t, op); });
   }
-  if (multiHost()) return flat("all_reduce").allreduce(tensors, opts);
   return enqueue(c10d::OpType::ALLREDUCE, nullptr, tensors, [this, t, info] {
     Staged s(t);
     comm_->allReduce(s.ptr(), s.ptr(), s.count(), info);
@@ -106,7 +108,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
 // instead of one per tensor.
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (multiHost()) return flat("all_reduce_coalesced").allreduce_coalesced(tensors, opts);
+  if (auto* b = route(tensors, "all_reduce_coalesced"))
+    return b->allreduce_coalesced(tensors, opts);
   TORCH_CHECK(!tensors.empty(), "dsp all_reduce_coalesced: no tensors given");
   for (const auto& t : tensors) {
     checkedDType(t, "all_reduce_coalesced");
@@ -137,7 +140,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
     std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
-  if (multiHost()) return flat("broadcast").broadcast(tensors, opts);
+  if (auto* b = route(tensors, "broadcast")) return b->broadcast(tensors, opts);
   const at::Tensor& t = single(tensors, "broadcast");
   checkRoot(opts.rootRank, getSize(), "broadcast");
   auto info = callInfo(Collective::kBroadcast, t, dsp::ReduceOp::kSum,
@@ -151,7 +154,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
-  if (multiHost()) return flat("reduce").reduce(tensors, opts);
+  if (auto* b = route(tensors, "reduce")) return b->reduce(tensors, opts);
   const at::Tensor& t = single(tensors, "reduce");
   checkRoot(opts.rootRank, getSize(), "reduce");
   const auto dt = checkedDType(t, "reduce");
@@ -168,7 +171,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (multiHost()) return flat("all_gather").allgather(outputs, inputs, opts);
+  if (auto* b = route(inputs, "all_gather")) return b->allgather(outputs, inputs, opts);
   const at::Tensor& in = single(inputs, "all_gather");
   TORCH_CHECK(outputs.size() == 1, "dsp all_gather: expects one output list");
   checkListSize(outputs[0].size(), getSize(), "all_gather", "the output list");
@@ -186,8 +189,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  if (multiHost())
-    return flat("all_gather_into_tensor")._allgather_base(output, input, opts);
+  if (auto* b = route(input, "all_gather_into_tensor"))
+    return b->_allgather_base(output, input, opts);
   checkedDType(output, "all_gather_into_tensor");
   TORCH_CHECK(output.scalar_type() == input.scalar_type() &&
                   output.numel() == input.numel() * getSize(),
@@ -212,8 +215,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (multiHost())
-    return flat("all_gather_coalesced").allgather_coalesced(outputs, inputs, opts);
+  if (auto* b = route(inputs, "all_gather_coalesced"))
+    return b->allgather_coalesced(outputs, inputs, opts);
   TORCH_CHECK(outputs.size() == inputs.size(),
               "dsp all_gather_coalesced: ", outputs.size(), " output lists for ",
               inputs.size(), " inputs");
@@ -230,9 +233,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (multiHost())
-    return flat("all_gather_into_tensor_coalesced")
-        .allgather_into_tensor_coalesced(outputs, inputs, opts);
+  if (auto* b = route(inputs, "all_gather_into_tensor_coalesced")) {
+    return b->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
               "dsp all_gather_into_tensor_coalesced: ", outputs.size(), " outputs for ",
               inputs.size(), " inputs");
@@ -246,7 +249,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  if (multiHost()) return flat("gather").gather(outputs, inputs, opts);
+  if (auto* b = route(inputs, "gather")) return b->gather(outputs, inputs, opts);
   const at::Tensor& in = single(inputs, "gather");
   checkRoot(opts.rootRank, getSize(), "gather");
   const auto outs = rootList(outputs, in, getRank() == opts.rootRank, opts.rootRank,
@@ -265,7 +268,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  if (multiHost()) return flat("scatter").scatter(outputs, inputs, opts);
+  if (auto* b = route(outputs, "scatter")) return b->scatter(outputs, inputs, opts);
   const at::Tensor& out = single(outputs, "scatter");
   checkRoot(opts.rootRank, getSize(), "scatter");
   const auto ins = rootList(inputs, out, getRank() == opts.rootRank, opts.rootRank,
@@ -285,7 +288,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (multiHost()) return flat("reduce_scatter").reduce_scatter(outputs, inputs, opts);
+  if (auto* b = route(outputs, "reduce_scatter"))
+    return b->reduce_scatter(outputs, inputs, opts);
   const at::Tensor& out = single(outputs, "reduce_scatter");
   TORCH_CHECK(inputs.size() == 1, "dsp reduce_scatter: expects one input list");
   checkListSize(inputs[0].size(), getSize(), "reduce_scatter", "the input list");
@@ -306,8 +310,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  if (multiHost())
-    return flat("reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
+  if (auto* b = route(input, "reduce_scatter_tensor"))
+    return b->_reduce_scatter_base(output, input, opts);
   const auto dt = checkedDType(output, "reduce_scatter_tensor");
   TORCH_CHECK(input.scalar_type() == output.scalar_type() &&
                   input.numel() == output.numel() * getSize(),
@@ -333,9 +337,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (multiHost())
-    return flat("reduce_scatter_tensor_coalesced")
-        .reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  if (auto* b = route(inputs, "reduce_scatter_tensor_coalesced")) {
+    return b->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
               "dsp reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
               inputs.size(), " inputs");
@@ -349,9 +353,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  if (multiHost())
-    return flat("all_to_all_single")
-        .alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  if (auto* b = route(input, "all_to_all_single")) {
+    return b->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  }
   const auto dt = checkedDType(input, "all_to_all");
   checkedDType(output, "all_to_all");
   TORCH_CHECK(input.scalar_type() == output.scalar_type(), "dsp all_to_all: input is ",
@@ -380,7 +384,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  if (multiHost()) return flat("all_to_all").alltoall(outputs, inputs, opts);
+  if (auto* b = route(inputs, "all_to_all")) return b->alltoall(outputs, inputs, opts);
   checkListSize(inputs.size(), getSize(), "all_to_all", "the input list");
   checkListSize(outputs.size(), getSize(), "all_to_all", "the output list");
   TORCH_CHECK(!inputs.empty());

@@ -81,8 +81,12 @@ bool WorkDSP::wait(std::chrono::milliseconds /*timeout*/) {
 
 ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, std::chrono::milliseconds timeout,
-                                 c10::intrusive_ptr<c10d::Backend> p2p, Topology topology)
-    : c10d::Backend(rank, size), p2p_(std::move(p2p)), topology_(std::move(topology)) {
+                                 c10::intrusive_ptr<c10d::Backend> p2p, Topology topology,
+                                 c10::intrusive_ptr<c10d::Backend> cuda)
+    : c10d::Backend(rank, size),
+      p2p_(std::move(p2p)),
+      topology_(std::move(topology)),
+      cuda_(std::move(cuda)) {
   const int comm_rank = multiHost() ? topology_.local_rank : rank;
   const int comm_size = multiHost() ? topology_.local_size : size;
   TORCH_CHECK(!multiHost() || p2p_, "dsp: a group spanning hosts needs the gloo group");

@@ -17,6 +17,12 @@
 // store) and hands this group the host's ranks (`Topology`). The shared-memory
 // comm then spans only this host; all-reduce is hierarchical (see
 // hierarchical.cpp) and the other collectives run over the world gloo group.
+//
+// CUDA tensors go to torch's ProcessGroupNCCL, which the creator builds when
+// torch has CUDA and NCCL: NCCL is the fastest engine for them, and torch's
+// group already gives the stream semantics (the collective waits on the
+// caller's current stream, Work::wait makes the caller's stream wait on it),
+// lazy per-device communicators, its watchdog and abort on error.
 #pragma once
 
 #include <chrono>
@@ -79,7 +85,8 @@ class ProcessGroupDSP : public c10d::Backend {
   // shared-memory comm (the host's ranks when `topology` says so).
   ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout,
-                  c10::intrusive_ptr<c10d::Backend> p2p, Topology topology = {});
+                  c10::intrusive_ptr<c10d::Backend> p2p, Topology topology = {},
+                  c10::intrusive_ptr<c10d::Backend> cuda = {});
   ~ProcessGroupDSP() override;
 
   const std::string getBackendName() const override { return "dsp"; }
@@ -158,6 +165,11 @@ class ProcessGroupDSP : public c10d::Backend {
   // The collectives other than all-reduce when the group spans hosts: the
   // world gloo group, which must exist.
   c10d::Backend& flat(const char* what);
+  // The backend that serves a call on `t` when this group's shared memory
+  // does not: NCCL for CUDA tensors, the world gloo group across hosts
+  // (unless `across_hosts` is false: all-reduce has its own path). Null: ours.
+  c10d::Backend* route(const at::Tensor& t, const char* what, bool across_hosts = true);
+  c10d::Backend* route(const std::vector<at::Tensor>& ts, const char* what);
   // Intra-host reduce-scatter, inter-host all-reduce of this rank's slice,
   // intra-host all-gather (hierarchical.cpp).
   void hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp op);
@@ -169,6 +181,7 @@ class ProcessGroupDSP : public c10d::Backend {
   std::string segment_name_;
   c10::intrusive_ptr<c10d::Backend> p2p_;
   Topology topology_;
+  c10::intrusive_ptr<c10d::Backend> cuda_;
   int64_t hier_piece_bytes_ = 4 << 20;  // DSP_HIER_PIECE_BYTES
 
   std::mutex mutex_;

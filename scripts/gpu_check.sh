@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One prepared run for a machine with a GPU: build, the GPU tests, a short
+# GPU benchmark. Results go to ${OUT:-gpu_out}/ (build log, pytest log,
+# benchmark table and JSON). Meant to finish in well under 6 minutes on one
+# GPU. Uses the torch already installed there (no download).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+"$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" \
+  | tee "$OUT/torch.txt"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+start=$(date +%s)
+if ! timeout 300 "$PY" -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  echo "build failed; see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+timeout 120 "$PY" -m pytest -q tests/python/test_gpu.py tests/python/test_collectives.py \
+  > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$? (tail):"; tail -3 "$OUT/pytest.log"
+timeout 120 "$PY" benchmarks/gpu.py --json "$OUT/gpu_bench.json" | tee "$OUT/gpu_bench.txt"
+echo "total: $(( $(date +%s) - start )) s"
