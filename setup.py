@@ -44,7 +44,9 @@ ext = CppExtension(
     sources=sources(),
     include_dirs=[os.path.join(ROOT, "csrc")],
     define_macros=define_macros,
-    extra_compile_args={"cxx": ["-O3", "-std=c++17", "-fvisibility=hidden"]},
+    # No -std here: torch's BuildExtension picks the standard its headers
+    # need (C++17 for torch 2.13, C++20 from 2.14); csrc/core is plain C++17.
+    extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"]},
     libraries=["rt"],
 )
 
