@@ -1,8 +1,12 @@
 """Executes one rank's actions of a validated schedule.
 
 Transfers: a send is posted asynchronously (``isend``) and awaited at the
-end of the step; a receive blocks (``recv``) until its data arrives, exactly
-the model the C++ validator proved deadlock-free. Each activation travels
+end of the step; a receive completes at its RECV action, in the order the C++
+validator proved deadlock-free. Receives are posted ahead where their shape
+is known (a gradient when its activation is sent; the next micro-batch's
+activation once the first fixed the shape): gloo moves a message only once
+both ends have posted it, so a receive posted late stalls the sender's data
+until the receiving rank gets there. Each activation travels
 with a small header (its shape and dtype), so a stage whose output shape
 changes between micro-batches raises a clear error on both ends of the
 transfer. Activations are dropped as soon as their backward has run.
@@ -85,6 +89,7 @@ class _PipelineSchedule:
         if last is not None and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self._shapes: dict[int, torch.Size] = {}
+        self._dtypes: dict[int, torch.dtype] = {}
         # Each stage's last backward in a step, where a DDP stage syncs.
         self._last_backward = {a.stage: a.microbatch for a in self.actions if a.kind == "B"}
         # The last step's compute actions as (action, start s, end s), for
@@ -103,6 +108,11 @@ class _PipelineSchedule:
             targets = self._split((target,), "target")
         slots = {(s, mb): _Slot() for s in self.stages for mb in range(m)}
         pending = []
+        # Receives posted ahead: ("F" | "B", stage, micro-batch) -> (works, tensors).
+        posted = {}
+        for a in self.actions:
+            if a.kind == "RECV_F" and a.microbatch == 0:
+                self._prefetch_activation(posted, self.stages[a.stage], a.stage, 0)
         stage_losses = [None] * m
         self.trace = []
         for action in self.actions:
@@ -118,8 +128,18 @@ class _PipelineSchedule:
                 self.trace.append((str(action), start, time.perf_counter()))
             elif kind == "SEND_F":
                 pending += self._send_activation(stage, slot.output.detach(), s, mb)
+                grad = torch.empty_like(slot.output)
+                src = stage.global_rank_of(s + 1)
+                work = dist.irecv(grad, src, group=self.group, tag=_tag(s + 1, mb, m, True, False))
+                posted[("B", s, mb)] = ([work], grad)
             elif kind == "RECV_F":
-                slot.input = self._recv_activation(stage, s, mb)
+                early = posted.pop(("F", s, mb), None)
+                if early is None:
+                    slot.input = self._recv_activation(stage, s, mb)
+                else:
+                    slot.input = self._finish_activation(early, s, mb)
+                if mb + 1 < m:
+                    self._prefetch_activation(posted, stage, s, mb + 1)
             elif kind == "SEND_B":
                 pending.append(
                     dist.isend(
@@ -130,13 +150,9 @@ class _PipelineSchedule:
                     )
                 )
             elif kind == "RECV_B":
-                grad = torch.empty_like(slot.output)
-                dist.recv(
-                    grad,
-                    stage.global_rank_of(s + 1),
-                    group=self.group,
-                    tag=_tag(s + 1, mb, m, True, False),
-                )
+                works, grad = posted.pop(("B", s, mb))
+                for work in works:
+                    work.wait()
                 slot.grad_output = grad
         for work in pending:
             work.wait()
@@ -221,16 +237,16 @@ class _PipelineSchedule:
         header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
         header[2 : 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
         dst = stage.global_rank_of(s + 1)
-        works = [
-            dist.isend(header, dst, group=self.group, tag=_tag(s, mb, m, False, True)),
-            dist.isend(out.contiguous(), dst, group=self.group, tag=_tag(s, mb, m, False, False)),
-        ]
+        works = [dist.isend(header, dst, group=self.group, tag=_tag(s, mb, m, False, True))]
         try:
             self._check_shape(s, mb, out.shape)
         except RuntimeError:
-            for work in works:  # deliver it, so the receiver raises the same error
-                work.wait()
+            # Deliver the header only, so the receiver raises the same error
+            # (its receive, posted for the old shape, never gets mismatched data).
+            works[0].wait()
             raise
+        data = out.contiguous()
+        works.append(dist.isend(data, dst, group=self.group, tag=_tag(s, mb, m, False, False)))
         return works
 
     def _recv_activation(self, stage, s, mb):
@@ -238,12 +254,39 @@ class _PipelineSchedule:
         src = stage.global_rank_of(s - 1)
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
         dist.recv(header, src, group=self.group, tag=_tag(s - 1, mb, m, False, True))
-        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-        shape = torch.Size(header[2 : 2 + ndim].tolist())
+        shape, dtype = self._parse_header(header)
+        self._check_shape(s - 1, mb, shape)
+        self._dtypes[s - 1] = dtype
         x = torch.empty(shape, dtype=dtype)
         dist.recv(x, src, group=self.group, tag=_tag(s - 1, mb, m, False, False))
-        self._check_shape(s - 1, mb, shape)
         return x
+
+    def _prefetch_activation(self, posted, stage, s, mb):
+        """Posts the receive of stage s's input for mb when its shape is known."""
+        if s - 1 not in self._shapes or ("F", s, mb) in posted:
+            return
+        m = self.n_microbatches
+        src = stage.global_rank_of(s - 1)
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+        x = torch.empty(self._shapes[s - 1], dtype=self._dtypes[s - 1])
+        works = [
+            dist.irecv(header, src, group=self.group, tag=_tag(s - 1, mb, m, False, True)),
+            dist.irecv(x, src, group=self.group, tag=_tag(s - 1, mb, m, False, False)),
+        ]
+        posted[("F", s, mb)] = (works, (header, x))
+
+    def _finish_activation(self, early, s, mb):
+        works, (header, x) = early
+        works[0].wait()
+        shape, _ = self._parse_header(header)
+        self._check_shape(s - 1, mb, shape)  # raises before waiting for data never sent
+        works[1].wait()
+        return x
+
+    @staticmethod
+    def _parse_header(header):
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        return torch.Size(header[2 : 2 + ndim].tolist()), dtype
 
     def _check_shape(self, s, mb, shape):
         """Stage outputs keep one shape across micro-batches (checked on both ends)."""
