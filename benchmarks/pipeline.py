@@ -1,10 +1,11 @@
 """Pipeline step time, bubble and activation memory: dsparallel's schedules
 against torch.distributed.pipelining on the same model and backend, in one run.
 
-    python benchmarks/pipeline.py [--micro-batches 8] [--steps 10] [--timeline t.png]
+    python benchmarks/pipeline.py [--micro-batches 8] [--steps 20] [--timeline t.png]
 
 Two ranks, one stage each (an MLP of 4 blocks split in two). For GPipe and
-1F1B under both libraries it reports the median step time (slowest rank),
+1F1B under both libraries it reports the median step time (slowest rank;
+the four configurations timed in interleaved rounds),
 the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
 span)) next to the planned one, and the first stage's peak activation
 memory: bytes of distinct storages held by autograd for backward (tensors
@@ -22,6 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_ranks  # noqa: E402
 from memory import SavedBytes  # noqa: E402
+
+ROUNDS = 4
 
 
 def _stage_module(index, width, blocks):
@@ -47,8 +50,7 @@ def _worker(rank, world, args):
     loss_fn = nn.functional.mse_loss
     x = torch.randn(args.batch_size, width)
     y = torch.randn(args.batch_size, width)
-    rows = []
-    traces = {}
+    configs = {}
     for lib in ("torch", "dsparallel"):
         for name in ("gpipe", "1f1b"):
             module = _stage_module(rank, width, args.blocks_per_stage)
@@ -59,9 +61,9 @@ def _worker(rank, world, args):
                 stage = pp.PipelineStage(module, rank, world)
                 cls = pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B
             sched = cls(stage, m, loss_fn=loss_fn)
-            saved = SavedBytes()
 
-            def step(sched=sched):
+            def step(sched=sched, module=module):
+                module.zero_grad(set_to_none=True)
                 if rank == 0:
                     sched.step(x)
                 else:
@@ -69,31 +71,38 @@ def _worker(rank, world, args):
 
             for _ in range(2):
                 step()
-            times = []
-            for i in range(args.steps):
-                module.zero_grad(set_to_none=True)
+            saved = SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                step()
+            configs[(lib, name)] = (step, sched, saved.peak)
+
+    # Timed in interleaved rounds (rotating the order), so that drift of this
+    # noisy machine does not favour whichever configuration ran first.
+    samples = {k: [] for k in configs}
+    keys = list(configs)
+    for round_ in range(ROUNDS):
+        for k in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
+            for _ in range(max(1, args.steps // ROUNDS)):
                 dist.barrier()
                 t0 = time.perf_counter()
-                if i == 0:
-                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                        step()
-                else:
-                    step()
+                configs[k][0]()
                 t = torch.tensor([time.perf_counter() - t0])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                times.append(t.item())
-            row = {
-                "lib": lib,
-                "schedule": name,
-                "step_s": statistics.median(times),
-                "peak_saved_bytes": saved.peak,
-            }
-            if lib == "dsparallel":
-                trace = pp.gather_trace(sched)
-                row["bubble_measured"] = pp.bubble(trace)
-                row["bubble_planned"] = pp.get_schedule(name, world, m).validate().bubble
-                traces[name] = trace
-            rows.append(row)
+                samples[k].append(t.item())
+    rows, traces = [], {}
+    for (lib, name), (_step, sched, peak) in configs.items():
+        row = {
+            "lib": lib,
+            "schedule": name,
+            "step_s": statistics.median(samples[(lib, name)]),
+            "peak_saved_bytes": peak,
+        }
+        if lib == "dsparallel":
+            trace = pp.gather_trace(sched)  # the last step of this configuration
+            row["bubble_measured"] = pp.bubble(trace)
+            row["bubble_planned"] = pp.get_schedule(name, world, m).validate().bubble
+            traces[name] = trace
+        rows.append(row)
     if rank == 0 and args.timeline:
         pp.plot_schedule(traces["1f1b"], args.timeline)
     dist.destroy_process_group()
@@ -106,13 +115,14 @@ def main():
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--blocks-per-stage", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--timeline", default="pipeline_1f1b_timeline.png")
     args = ap.parse_args()
     rows = run_ranks(_worker, 2, args)
     print(
         f"2 stages, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}"
-        f", width {args.width}, median of {args.steps} steps; memory: first stage"
+        f", width {args.width}, median of {args.steps} steps per configuration in "
+        f"{ROUNDS} interleaved rounds; memory: first stage"
     )
     print(
         f"{'library':>11} {'schedule':>8} {'step ms':>9} {'vs torch':>9} "
