@@ -24,10 +24,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_ranks  # noqa: E402
+from timing import interleaved_rounds, median_seconds  # noqa: E402
 
 ROUNDS = 4  # interleaved timing rounds per configuration
 CONFIGS = [("torch", "gloo"), ("torch", "dsp"), ("dsparallel", "gloo"), ("dsparallel", "dsp")]
@@ -61,23 +61,6 @@ def compute_bound_model():
 MODELS = {"comm-bound MLP 51M": comm_bound_model, "compute-bound conv": compute_bound_model}
 
 
-def _time_steps(step, steps, warmup):
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
-
-
 def _worker(rank, world, steps, warmup):
     import torch
     import torch.distributed as dist
@@ -104,7 +87,7 @@ def _worker(rank, world, steps, warmup):
             module(x).square().mean().backward()
             opt.step()
 
-        local = _time_steps(plain_step, steps, warmup)
+        local = median_seconds(plain_step, steps, warmup)
         # Communication alone: the gradients' bytes as 25 MB buckets (DDP's
         # cap), preallocated, all launched then awaited, as the reducer does.
         numel = sum(p.numel() for p in model.parameters())
@@ -122,7 +105,7 @@ def _worker(rank, world, steps, warmup):
             "local_s": local,
         }
         for backend in ("gloo", "dsp"):
-            row[f"comm_{backend}_s"] = _time_steps(
+            row[f"comm_{backend}_s"] = median_seconds(
                 lambda b=backend: comm_alone(groups[b]),
                 steps,
                 warmup,
@@ -143,13 +126,9 @@ def _worker(rank, world, steps, warmup):
                 opt.step()
 
             steppers[f"{ddp_name}/{backend}"] = step
-        samples = {k: [] for k in steppers}
-        keys = list(steppers)
-        for round_ in range(ROUNDS):
-            for k in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
-                samples[k].append(_time_steps(steppers[k], max(1, steps // ROUNDS), warmup))
-        for k, v in samples.items():
-            row[f"{k}_s"] = statistics.median(v)
+        rounds = interleaved_rounds(steppers, ROUNDS, max(1, steps // ROUNDS), warmup)
+        for k, per_round in rounds.items():
+            row[f"{k}_s"] = statistics.median(statistics.median(r) for r in per_round)
         del steppers
         rows.append(row)
     dist.destroy_process_group()

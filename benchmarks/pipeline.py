@@ -18,11 +18,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_ranks  # noqa: E402
 from memory import SavedBytes  # noqa: E402
+from timing import interleaved_rounds  # noqa: E402
 
 ROUNDS = 4
 
@@ -76,19 +76,9 @@ def _worker(rank, world, args):
                 step()
             configs[(lib, name)] = (step, sched, saved.peak)
 
-    # Timed in interleaved rounds (rotating the order), so that drift of this
-    # noisy machine does not favour whichever configuration ran first.
-    samples = {k: [] for k in configs}
-    keys = list(configs)
-    for round_ in range(ROUNDS):
-        for k in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
-            for _ in range(max(1, args.steps // ROUNDS)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                configs[k][0]()
-                t = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                samples[k].append(t.item())
+    steppers = {k: step for k, (step, _, _) in configs.items()}
+    rounds = interleaved_rounds(steppers, ROUNDS, max(1, args.steps // ROUNDS))
+    samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     rows, traces = [], {}
     for (lib, name), (_step, sched, peak) in configs.items():
         row = {

@@ -25,10 +25,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_ranks  # noqa: E402
+from timing import interleaved_rounds  # noqa: E402
 
 ROUNDS = 4
 # (batch, seq, hidden, heads)
@@ -94,23 +94,6 @@ def _torch_tp_block(hidden, heads, mesh):
     return block
 
 
-def _timed(step, steps, warmup):
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
-
-
 def _worker(rank, world, steps, warmup):
     import torch
     import torch.distributed as dist
@@ -141,15 +124,12 @@ def _worker(rank, world, steps, warmup):
                 p.grad = None
             block(x).sum().backward()
 
-        samples = {k: [] for k in blocks}
-        keys = list(blocks)
-        for round_ in range(ROUNDS):
-            for k in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
-                samples[k].append(
-                    _timed(lambda b=blocks[k]: step(b), max(1, steps // ROUNDS), warmup)
-                )
+        steppers = {k: (lambda b=b: step(b)) for k, b in blocks.items()}
+        rounds = interleaved_rounds(steppers, ROUNDS, max(1, steps // ROUNDS), warmup)
         row = {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads}
-        row.update({k: statistics.median(v) for k, v in samples.items()})
+        row.update(
+            {k: statistics.median(statistics.median(r) for r in v) for k, v in rounds.items()}
+        )
         rows.append(row)
     dist.destroy_process_group()
     return rows

@@ -69,16 +69,15 @@ def _create_backend(dist_backend_opts, backend_options=None):
     if len(set(hosts)) == 1:
         return _C.ProcessGroupDSP(store, rank, size, timeout, p2p, cuda=cuda)
     mine = hosts[rank]
-    local = [r for r in range(size) if hosts[r] == mine]
-    counts = {h: hosts.count(h) for h in set(hosts)}
+    members = {}  # host -> its ranks, in rank order
+    for r, h in enumerate(hosts):
+        members.setdefault(h, []).append(r)
+    local = members[mine]
     inter, peers = None, []
-    if len(set(counts.values())) == 1:
-        # The ranks with this rank's local index on every host, in host order.
+    if len({len(m) for m in members.values()}) == 1:
+        # The ranks with this rank's local index on every host.
         index = local.index(rank)
-        local_index = {}
-        for r in range(size):
-            local_index[r] = sum(1 for q in range(r) if hosts[q] == hosts[r])
-        peers = [r for r in range(size) if local_index[r] == index]
+        peers = sorted(m[index] for m in members.values())
         inter = dist.ProcessGroupGloo(
             dist.PrefixStore(f"dsp-inter/{index}/", store), peers.index(rank), len(peers), timeout
         )

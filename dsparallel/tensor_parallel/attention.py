@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .group import check_divisible, resolve_group
+from .group import check_divisible, resolve_group, set_up_from
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .random import get_rng_tracker
 
@@ -71,10 +71,7 @@ class ParallelAttention(nn.Module):
                 "add_zero_attn are not supported"
             )
         cls._check(mha.embed_dim, mha.num_heads, g.size())
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(mha, g, causal)
-        return self
+        return set_up_from(cls, mha, g, causal)
 
     def _setup(self, mha: nn.MultiheadAttention, group, causal: bool) -> None:
         size = group.size()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .group import resolve_group
+from .group import resolve_group, set_up_from
 from .mappings import _ops
 
 
@@ -63,10 +63,7 @@ class VocabParallelEmbedding(nn.Module):
         used = [k for k, v in unsupported.items() if v is not None]
         if used:
             raise NotImplementedError(f"VocabParallelEmbedding does not support {', '.join(used)}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(embedding.weight, g)
-        return self
+        return set_up_from(cls, embedding.weight, g)
 
     def _setup(self, weight: torch.Tensor, group) -> None:
         self.group = group

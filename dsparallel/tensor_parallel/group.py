@@ -1,4 +1,5 @@
-"""Which process group a tensor-parallel layer or map runs over.
+"""Which process group a tensor-parallel layer or map runs over, and the
+checks and construction helper the layers share.
 
 ``group=None`` means the tensor-parallel group of ``dsparallel.init_parallel``
 when it has been called, otherwise the default (world) group.
@@ -7,6 +8,7 @@ when it has been called, otherwise the default (world) group.
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch import nn
 
 _default_group: dist.ProcessGroup | None = None
 
@@ -38,3 +40,13 @@ def check_divisible(what: str, name: str, value: int, size: int) -> None:
         raise ValueError(
             f"{what}: {name}={value} is not divisible by the tensor-parallel group size {size}"
         )
+
+
+def set_up_from(cls, *setup_args):
+    """An instance of the layer ``cls`` made by ``cls._setup(*setup_args)``
+    instead of ``__init__`` (which would initialise fresh weights): the
+    ``from_*`` constructors slice an existing module's weights."""
+    self = cls.__new__(cls)
+    nn.Module.__init__(self)
+    self._setup(*setup_args)
+    return self

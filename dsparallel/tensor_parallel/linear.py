@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .group import check_divisible, resolve_group
+from .group import check_divisible, resolve_group, set_up_from
 from .mappings import _ops
 
 
@@ -73,10 +73,7 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def _from_full(cls, weight, bias, group, gather_output: bool = False):
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(weight, bias, group, gather_output, False)
-        return self
+        return set_up_from(cls, weight, bias, group, gather_output, False)
 
     def _setup(self, weight, bias, group, gather_output, sequence_parallel):
         if gather_output and sequence_parallel:
@@ -154,10 +151,7 @@ class RowParallelLinear(nn.Module):
         check_divisible(
             "RowParallelLinear.from_linear", "in_features", linear.in_features, g.size()
         )
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(linear.weight, linear.bias, g, input_is_parallel, False)
-        return self
+        return set_up_from(cls, linear.weight, linear.bias, g, input_is_parallel, False)
 
     def _setup(self, weight, bias, group, input_is_parallel, sequence_parallel):
         if sequence_parallel and not input_is_parallel:

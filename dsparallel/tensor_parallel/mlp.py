@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .group import check_divisible, resolve_group
+from .group import check_divisible, resolve_group, set_up_from
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -60,10 +60,7 @@ class ParallelMLP(nn.Module):
                 f"is {fc2.in_features}->{fc2.out_features}"
             )
         check_divisible("ParallelMLP.from_linears", "ffn_hidden_size", fc1.out_features, g.size())
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(fc1, fc2, g, activation)
-        return self
+        return set_up_from(cls, fc1, fc2, g, activation)
 
     def _setup(self, fc1, fc2, group, activation) -> None:
         self.activation = _activation(activation)

@@ -24,6 +24,11 @@ def _torchrun(script, *args, nproc=2, check=True):
         os.path.join(ROOT, "examples", script),
         *args,
     ]
+    return _run(cmd, check)
+
+
+def _run(cmd, check=True):
+    """Runs cmd; its stdout (check: it must succeed), else the whole result."""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     if not check:
         return out
@@ -58,10 +63,7 @@ def test_tensor_parallel_example_learns():
 
 
 def _python(script, *args):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    return _run([sys.executable, os.path.join(ROOT, "examples", script), *args])
 
 
 def test_model_parallel_example_matches_one_device():
