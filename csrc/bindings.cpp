@@ -10,11 +10,63 @@
 
 namespace py = pybind11;
 
+namespace {
+
+// Python objects of the classes below are destroyed without the GIL. Their
+// destructors wait on other threads (our worker; gloo's work loop inside the
+// group) that may themselves need the GIL to finish: dropping the last
+// reference to a tensor Python created, or running a comm hook's Python
+// callback. Destroying them with the GIL held deadlocks (it did: a dsp group
+// over gloo, dropped by the frame that created it). torch binds its own
+// process groups the same way.
+template <typename T>
+class NoGilPtr {
+ public:
+  NoGilPtr() = default;
+  NoGilPtr(const NoGilPtr&) = default;
+  NoGilPtr(NoGilPtr&&) noexcept = default;
+  NoGilPtr& operator=(const NoGilPtr&) = default;
+  NoGilPtr& operator=(NoGilPtr&&) noexcept = default;
+  /* implicit */ NoGilPtr(c10::intrusive_ptr<T> impl) : impl_(std::move(impl)) {}
+  // pybind11 builds a holder from a raw pointer it was handed as new.
+  explicit NoGilPtr(T* impl)
+      : impl_(c10::intrusive_ptr<T>::unsafe_steal_from_new(impl)) {}
+  ~NoGilPtr() {
+    if (!impl_) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      impl_.reset();
+    } else {
+      impl_.reset();
+    }
+  }
+  T* get() const noexcept { return impl_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> impl_;
+};
+
+struct DeleteWithoutGil {
+  template <typename T>
+  void operator()(T* p) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete p;
+    } else {
+      delete p;
+    }
+  }
+};
+
+}  // namespace
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilPtr<T>, true)
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dsparallel C++ extension";
 
   py::class_<dsparallel::ProcessGroupDSP, c10d::Backend,
-             c10::intrusive_ptr<dsparallel::ProcessGroupDSP>>(m, "ProcessGroupDSP")
+             NoGilPtr<dsparallel::ProcessGroupDSP>>(m, "ProcessGroupDSP")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout,
                        c10::intrusive_ptr<c10d::Backend> p2p, int local_rank,
@@ -27,9 +79,10 @@ PYBIND11_MODULE(_C, m) {
                                            std::move(host_ranks),
                                            std::move(inter_ranks),
                                            machine_ranks};
-             return c10::make_intrusive<dsparallel::ProcessGroupDSP>(
-                 store, rank, size, timeout, std::move(p2p), std::move(topology),
-                 std::move(cuda));
+             return NoGilPtr<dsparallel::ProcessGroupDSP>(
+                 c10::make_intrusive<dsparallel::ProcessGroupDSP>(
+                     store, rank, size, timeout, std::move(p2p), std::move(topology),
+                     std::move(cuda)));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("p2p") = nullptr, py::arg("local_rank") = -1,
@@ -43,7 +96,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("hierarchical", &dsparallel::ProcessGroupDSP::hierarchical)
       .def_property_readonly("multi_host", &dsparallel::ProcessGroupDSP::multiHost);
 
-  py::class_<dsparallel::Reducer>(m, "Reducer")
+  using ReducerPtr = std::unique_ptr<dsparallel::Reducer, DeleteWithoutGil>;
+  py::class_<dsparallel::Reducer, ReducerPtr>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        c10::intrusive_ptr<c10d::ProcessGroup> group,
                        std::vector<size_t> bucket_caps, bool find_unused,
@@ -53,8 +107,8 @@ PYBIND11_MODULE(_C, m) {
              o.find_unused_parameters = find_unused;
              o.gradient_as_bucket_view = gradient_as_bucket_view;
              o.static_graph = static_graph;
-             return std::make_unique<dsparallel::Reducer>(
-                 std::move(params), std::move(names), std::move(group), std::move(o));
+             return ReducerPtr(new dsparallel::Reducer(
+                 std::move(params), std::move(names), std::move(group), std::move(o)));
            }),
            py::arg("params"), py::arg("names"), py::arg("group"), py::arg("bucket_caps"),
            py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),

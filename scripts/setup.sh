@@ -26,11 +26,12 @@ PY=${PYTHON:-python3}
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build
 # Rebuild the extension only when its sources changed (a stamp of their hash)
-# or the installed one is another checkout's.
+# or the installed one is another checkout's (checked from outside the repo,
+# where the current directory cannot stand in for the install).
 stamp=build/.extension-stamp
 hash=$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$hash" ]] ||
-  ! "$PY" -c "import os, dsparallel._C as c; assert c.__file__.startswith(os.getcwd())" 2>/dev/null; then
+  ! (root=$PWD && cd / && "$PY" -c "import sys, dsparallel._C as c; assert c.__file__.startswith(sys.argv[1])" "$root/") 2>/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .
   echo "$hash" >"$stamp"
 fi

@@ -9,10 +9,12 @@ return value or traceback. A rank that hangs past ``timeout`` fails the test
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -33,7 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, backend, pg_timeout_s, init, args, results):
+def _entry(fn, rank, world, port, backend, pg_timeout_s, init, args, results, dump_after):
+    # A rank that crashes prints its Python stack; one that hangs prints every
+    # thread's stack shortly before the parent gives up on it, so a hang in CI
+    # says where it was.
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(dump_after, exit=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -79,7 +86,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, port, backend, pg_timeout_s, init, args, results),
+            args=(fn, r, world_size, port, backend, pg_timeout_s, init, args, results, timeout - 5),
         )
         for r in range(world_size)
     ]
@@ -87,15 +94,29 @@ def run_ranks(
         p.start()
     got = {}
     expected = world_size - len(allow_exit)
+    deadline = time.monotonic() + timeout
     try:
         while len(got) < expected:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(got) - set(allow_exit))
-                raise RankFailure(
-                    f"ranks {missing} did not finish within {timeout}s (hang?)"
-                ) from None
+                # A rank that died without reporting (a crash) fails at once,
+                # with its exit code, rather than looking like a hang.
+                dead = [
+                    (r, procs[r].exitcode)
+                    for r in missing
+                    if not procs[r].is_alive() and results.empty()
+                ]
+                if dead:
+                    raise RankFailure(
+                        "ranks died without reporting (rank, exit code): " + str(dead)
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RankFailure(
+                        f"ranks {missing} did not finish within {timeout}s (hang?)"
+                    ) from None
+                continue
             got[rank] = (status, value)
     finally:
         for p in procs:

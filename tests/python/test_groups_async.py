@@ -124,6 +124,38 @@ class _Net(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _drop_with_callback_pending_body(rank, n):
+    """A Python reference is the last one to a "dsp" backend while a
+    collective whose future has a Python callback still runs: the destructor
+    waits for the worker, which needs the GIL to run the callback. Destroying
+    with the GIL held hangs."""
+    import os
+    import time
+
+    dist.init_process_group("dsp")
+    ran = []
+    if rank == 0:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        t = torch.ones(4)
+        work = dist.all_reduce(t, async_op=True)
+        fut = work.get_future().then(lambda f: ran.append(f.value()[0].sum().item()))
+        dist.destroy_process_group()
+        threads = len(os.listdir("/proc/self/task"))
+        del work, backend  # the last reference: the destructor runs here
+        assert len(os.listdir("/proc/self/task")) < threads  # it did run (worker joined)
+        fut.wait()
+    else:
+        time.sleep(1.0)  # rank 0 drops the group before this all-reduce starts
+        dist.all_reduce(torch.ones(4))
+        dist.destroy_process_group()
+    return ran
+
+
+def test_dropping_a_group_with_a_python_callback_pending():
+    ran = run_ranks(_drop_with_callback_pending_body, 2, init=False, timeout=60)
+    assert ran[0] == [8.0]
+
+
 def _ddp_train(backend_group):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(_Net(), process_group=backend_group)
