@@ -19,6 +19,7 @@ def sources():
         "csrc/backend/*.cpp",
         "csrc/ddp/*.cpp",
         "csrc/ops/*.cpp",
+        "csrc/pipeline/*.cpp",
         "csrc/bindings.cpp",
     ]
     found = []

@@ -1,5 +1,6 @@
 // dsparallel._C: the one Python module of the extension.
 #include <pybind11/chrono.h>
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/utils/pybind.h>
@@ -7,6 +8,7 @@
 #include "backend/process_group_dsp.h"
 #include "core/pipeline/schedule.h"
 #include "ddp/reducer.h"
+#include "pipeline/runtime.h"
 
 namespace py = pybind11;
 
@@ -162,6 +164,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_microbatches", &pp::Schedule::num_microbatches)
       .def_readonly("ranks", &pp::Schedule::ranks)
       .def("validate", &pp::validate);
+  py::class_<dsparallel::pipeline::Runtime>(m, "PipelineRuntime")
+      .def(py::init<std::vector<pp::Action>, int, int, int,
+                    c10::intrusive_ptr<c10d::ProcessGroup>>(),
+           py::arg("actions"), py::arg("num_stages"), py::arg("num_ranks"),
+           py::arg("num_microbatches"), py::arg("group"))
+      // Waits on peers: without the GIL (the callbacks take it to compute).
+      .def("step", &dsparallel::pipeline::Runtime::step, py::arg("forward"),
+           py::arg("backward"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("trace", &dsparallel::pipeline::Runtime::trace);
   m.def("make_schedule", &pp::makeSchedule, py::arg("name"), py::arg("num_stages"),
         py::arg("num_microbatches"), py::arg("stages_per_rank") = 1);
   m.def("rank_of_stage", &pp::rankOfStage, py::arg("stage"), py::arg("num_ranks"));

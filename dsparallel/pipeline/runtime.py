@@ -1,15 +1,12 @@
-"""Executes one rank's actions of a validated schedule.
+"""Runs one rank's actions of a validated schedule: the Python half.
 
-Transfers: a send is posted asynchronously (``isend``) and awaited at the
-end of the step; a receive completes at its RECV action, in the order the C++
-validator proved deadlock-free. Receives are posted ahead where their shape
-is known (a gradient when its activation is sent; the next micro-batch's
-activation once the first fixed the shape): gloo moves a message only once
-both ends have posted it, so a receive posted late stalls the sender's data
-until the receiving rank gets there. Each activation travels
-with a small header (its shape and dtype), so a stage whose output shape
-changes between micro-batches raises a clear error on both ends of the
-transfer. Activations are dropped as soon as their backward has run.
+The C++ runtime (``csrc/pipeline/runtime.cpp``, ``_C.PipelineRuntime``) walks
+the actions and owns everything between stages: the point-to-point transfers
+(receives posted ahead), the headers that catch a stage output changing shape
+(on both ends of the transfer), and dropping what travels once consumed. It
+calls back here for compute only: a stage's forward (and loss, on the last
+stage) and its backward, which keep the autograd graph of each micro-batch
+until its backward has run.
 
 The loss is divided by the number of micro-batches once, on the last stage,
 so the gradients equal those of the whole batch run unsplit; calling
@@ -24,23 +21,15 @@ once per step, overlapped with that backward.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from .. import _C
 from ..checkpoint import capture_rng, replay_rng
 from ..ddp import DistributedDataParallel
 from .schedule import get_schedule
 from .stage import PipelineStage
-
-_MAX_DIMS = 8
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-
-
-def _tag(stage: int, microbatch: int, n_microbatches: int, backward: bool, header: bool):
-    return ((stage * n_microbatches + microbatch) * 2 + int(backward)) * 2 + int(header)
 
 
 def _is_ddp(module) -> bool:
@@ -51,11 +40,8 @@ def _is_ddp(module) -> bool:
 class _Slot:
     """What one (stage, micro-batch) keeps between its forward and backward."""
 
-    input: torch.Tensor | None = None  # the received activation (RECV_F)
     output: torch.Tensor | None = None
     loss: torch.Tensor | None = None
-    grad_output: torch.Tensor | None = None
-    grad_input: torch.Tensor | None = None
     args: tuple = field(default_factory=tuple)
     targets: tuple = field(default_factory=tuple)
     rng: tuple | None = None  # checkpointing: the RNG states of the forward
@@ -88,13 +74,11 @@ class _PipelineSchedule:
         last = self.stages.get(self.num_stages - 1)
         if last is not None and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
-        self._shapes: dict[int, torch.Size] = {}
-        self._dtypes: dict[int, torch.dtype] = {}
         # Each stage's last backward in a step, where a DDP stage syncs.
         self._last_backward = {a.stage: a.microbatch for a in self.actions if a.kind == "B"}
-        # The last step's compute actions as (action, start s, end s), for
-        # gather_trace / plot_schedule and the measured bubble.
-        self.trace: list[tuple[str, float, float]] = []
+        self._runtime = _C.PipelineRuntime(
+            self.actions, self.num_stages, self.plan.num_ranks, n_microbatches, self.group
+        )
 
     # ------------------------------------------------------------------ step
 
@@ -107,57 +91,51 @@ class _PipelineSchedule:
                 raise ValueError("the last stage's step() needs target=")
             targets = self._split((target,), "target")
         slots = {(s, mb): _Slot() for s in self.stages for mb in range(m)}
-        pending = []
-        # Receives posted ahead: ("F" | "B", stage, micro-batch) -> (works, tensors).
-        posted = {}
-        for a in self.actions:
-            if a.kind == "RECV_F" and a.microbatch == 0:
-                self._prefetch_activation(posted, self.stages[a.stage], a.stage, 0)
         stage_losses = [None] * m
-        self.trace = []
-        for action in self.actions:
-            s, mb, kind = action.stage, action.microbatch, action.kind
-            start = time.perf_counter()
-            slot = slots[(s, mb)]
-            stage = self.stages[s]
-            if kind in ("F", "B"):
-                if kind == "F":
-                    self._forward(stage, slot, slots, mb, inputs, targets, stage_losses)
-                else:
-                    self._backward(stage, slot, slots, mb)
-                self.trace.append((str(action), start, time.perf_counter()))
-            elif kind == "SEND_F":
-                pending += self._send_activation(stage, slot.output.detach(), s, mb)
-                grad = torch.empty_like(slot.output)
-                src = stage.global_rank_of(s + 1)
-                work = dist.irecv(grad, src, group=self.group, tag=_tag(s + 1, mb, m, True, False))
-                posted[("B", s, mb)] = ([work], grad)
-            elif kind == "RECV_F":
-                early = posted.pop(("F", s, mb), None)
-                if early is None:
-                    slot.input = self._recv_activation(stage, s, mb)
-                else:
-                    slot.input = self._finish_activation(early, s, mb)
-                if mb + 1 < m:
-                    self._prefetch_activation(posted, stage, s, mb + 1)
-            elif kind == "SEND_B":
-                pending.append(
-                    dist.isend(
-                        slot.grad_input,
-                        stage.global_rank_of(s - 1),
-                        group=self.group,
-                        tag=_tag(s, mb, m, True, False),
-                    )
-                )
-            elif kind == "RECV_B":
-                works, grad = posted.pop(("B", s, mb))
-                for work in works:
-                    work.wait()
-                slot.grad_output = grad
-        for work in pending:
-            work.wait()
+
+        def forward(s, mb, received):
+            stage, slot = self.stages[s], slots[(s, mb)]
+            if stage.is_first:
+                slot.args = inputs[mb]
+            else:
+                slot.args = (received.requires_grad_(received.is_floating_point()),)
+            slot.targets = targets[mb] if stage.is_last else ()
+            if stage.checkpoint:
+                # Keep only the inputs (and the RNG states, so that dropout
+                # draws the same masks when the backward recomputes).
+                slot.rng = capture_rng()
+                with torch.no_grad():
+                    slot.output, slot.loss = self._compute(stage, slot)
+            else:
+                slot.output, slot.loss = self._compute(stage, slot)
+            if stage.is_last:
+                stage_losses[mb] = slot.loss.detach()
+                return None
+            return slot.output.detach()
+
+        def backward(s, mb, grad_output):
+            stage, slot = self.stages[s], slots.pop((s, mb))
+            if stage.checkpoint:
+                with replay_rng(slot.rng):
+                    slot.output, slot.loss = self._compute(stage, slot)
+            if _is_ddp(stage.submod) and mb == self._last_backward[s]:
+                stage.submod.reducer.prepare_for_backward([slot.output])
+            if stage.is_last:
+                torch.autograd.backward(slot.loss / m)
+            else:
+                torch.autograd.backward(slot.output, grad_output)
+            return None if stage.is_first else slot.args[0].grad
+
+        self._runtime.step(forward, backward)
         if losses is not None and targets is not None:
             losses.extend(stage_losses)
+
+    @property
+    def trace(self) -> list[tuple[str, float, float]]:
+        """The last step's compute actions as (action, start s, end s), on the
+        clock of ``time.perf_counter``: for gather_trace / plot_schedule and
+        the measured bubble."""
+        return list(self._runtime.trace)
 
     def _split(self, tensors, what):
         m = self.n_microbatches
@@ -172,130 +150,12 @@ class _PipelineSchedule:
 
     # --------------------------------------------------------------- compute
 
-    def _stage_input(self, stage, slots, mb, inputs):
-        s = stage.stage_index
-        if stage.is_first:
-            return inputs[mb]
-        if s - 1 in self.stages:  # previous stage on this rank: local hand-off
-            x = slots[(s - 1, mb)].output.detach()
-        else:
-            x = slots[(s, mb)].input
-        return (x.requires_grad_(x.is_floating_point()),)
-
-    def _forward(self, stage, slot, slots, mb, inputs, targets, stage_losses):
-        args = self._stage_input(stage, slots, mb, inputs)
-        slot.args = args
-        slot.targets = targets[mb] if stage.is_last else ()
-        if stage.checkpoint:
-            # Keep only the inputs (and the RNG states, so that dropout draws
-            # the same masks when the backward recomputes).
-            slot.rng = capture_rng()
-            with torch.no_grad():
-                slot.output, slot.loss = self._compute(stage, slot)
-        else:
-            slot.output, slot.loss = self._compute(stage, slot)
-        if stage.is_last:
-            stage_losses[mb] = slot.loss.detach()
-
     def _compute(self, stage, slot):
         sync_off = stage.submod.no_sync() if _is_ddp(stage.submod) else contextlib.nullcontext()
         with sync_off:
             out = stage.submod(*slot.args)
         loss = self.loss_fn(out, *slot.targets) if stage.is_last else None
         return out, loss
-
-    def _backward(self, stage, slot, slots, mb):
-        s = stage.stage_index
-        if stage.checkpoint:
-            with replay_rng(slot.rng):
-                slot.output, slot.loss = self._compute(stage, slot)
-        if _is_ddp(stage.submod) and mb == self._last_backward[s]:
-            stage.submod.reducer.prepare_for_backward([slot.output])
-        if stage.is_last:
-            torch.autograd.backward(slot.loss / self.n_microbatches)
-        else:
-            grad = slot.grad_output
-            if s + 1 in self.stages:  # next stage on this rank
-                grad = slots[(s + 1, mb)].grad_input
-            torch.autograd.backward(slot.output, grad)
-        if not stage.is_first:
-            slot.grad_input = slot.args[0].grad
-        # Free the activations: only the gradient for the previous stage stays.
-        slot.output = slot.loss = slot.grad_output = slot.rng = None
-        slot.args = slot.targets = ()
-
-    # ------------------------------------------------------------- transfers
-
-    def _send_activation(self, stage, out, s, mb):
-        m = self.n_microbatches
-        if out.dtype not in _DTYPES or out.dim() > _MAX_DIMS:
-            raise ValueError(
-                f"stage {s} output of dtype {out.dtype} and {out.dim()} dims cannot "
-                "be sent between stages"
-            )
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
-        header[2 : 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-        dst = stage.global_rank_of(s + 1)
-        works = [dist.isend(header, dst, group=self.group, tag=_tag(s, mb, m, False, True))]
-        try:
-            self._check_shape(s, mb, out.shape)
-        except RuntimeError:
-            # Deliver the header only, so the receiver raises the same error
-            # (its receive, posted for the old shape, never gets mismatched data).
-            works[0].wait()
-            raise
-        data = out.contiguous()
-        works.append(dist.isend(data, dst, group=self.group, tag=_tag(s, mb, m, False, False)))
-        return works
-
-    def _recv_activation(self, stage, s, mb):
-        m = self.n_microbatches
-        src = stage.global_rank_of(s - 1)
-        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
-        dist.recv(header, src, group=self.group, tag=_tag(s - 1, mb, m, False, True))
-        shape, dtype = self._parse_header(header)
-        self._check_shape(s - 1, mb, shape)
-        self._dtypes[s - 1] = dtype
-        x = torch.empty(shape, dtype=dtype)
-        dist.recv(x, src, group=self.group, tag=_tag(s - 1, mb, m, False, False))
-        return x
-
-    def _prefetch_activation(self, posted, stage, s, mb):
-        """Posts the receive of stage s's input for mb when its shape is known."""
-        if s - 1 not in self._shapes or ("F", s, mb) in posted:
-            return
-        m = self.n_microbatches
-        src = stage.global_rank_of(s - 1)
-        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
-        x = torch.empty(self._shapes[s - 1], dtype=self._dtypes[s - 1])
-        works = [
-            dist.irecv(header, src, group=self.group, tag=_tag(s - 1, mb, m, False, True)),
-            dist.irecv(x, src, group=self.group, tag=_tag(s - 1, mb, m, False, False)),
-        ]
-        posted[("F", s, mb)] = (works, (header, x))
-
-    def _finish_activation(self, early, s, mb):
-        works, (header, x) = early
-        works[0].wait()
-        shape, _ = self._parse_header(header)
-        self._check_shape(s - 1, mb, shape)  # raises before waiting for data never sent
-        works[1].wait()
-        return x
-
-    @staticmethod
-    def _parse_header(header):
-        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-        return torch.Size(header[2 : 2 + ndim].tolist()), dtype
-
-    def _check_shape(self, s, mb, shape):
-        """Stage outputs keep one shape across micro-batches (checked on both ends)."""
-        first = self._shapes.setdefault(s, shape)
-        if shape != first:
-            raise RuntimeError(
-                f"stage {s} output changed shape between micro-batches: "
-                f"{list(first)} for the first, {list(shape)} for micro-batch {mb}"
-            )
 
 
 class ScheduleGPipe(_PipelineSchedule):

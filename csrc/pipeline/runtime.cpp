@@ -1,0 +1,232 @@
+// The pipeline runtime (see runtime.h).
+//
+// Transfers: a send is posted asynchronously and awaited at the end of the
+// step; a receive completes at its RECV action. gloo (which carries "dsp"'s
+// point-to-point traffic) moves a message only once both ends have posted
+// it, so a receive posted late stalls its sender's data until the receiving
+// rank gets there. Receives are therefore posted ahead wherever their shape
+// is known: a gradient as soon as its activation is sent, the next
+// micro-batch's activation as soon as the previous one has arrived (the
+// first step learns each stage's output shape from the headers).
+#include "runtime.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+namespace dsparallel::pipeline {
+namespace {
+
+using dsp::pipeline::ActionType;
+
+constexpr int kMaxDims = 8;
+constexpr int kHeaderLen = 2 + kMaxDims;  // ndim, dtype code, the sizes
+const std::vector<at::ScalarType> kDTypes = {at::kFloat,    at::kDouble, at::kHalf,
+                                             at::kBFloat16, at::kLong,   at::kInt};
+
+double now() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string shapeString(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
+std::pair<std::vector<int64_t>, at::ScalarType> parseHeader(const at::Tensor& header) {
+  const int64_t* h = header.data_ptr<int64_t>();
+  TORCH_CHECK(h[0] >= 0 && h[0] <= kMaxDims && h[1] >= 0 &&
+                  h[1] < static_cast<int64_t>(kDTypes.size()),
+              "dsp pipeline: a corrupt activation header (ndim ", h[0], ", dtype code ",
+              h[1], ")");
+  return {std::vector<int64_t>(h + 2, h + 2 + h[0]), kDTypes[h[1]]};
+}
+
+void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+  for (auto& w : works) w->wait();
+  works.clear();
+}
+
+}  // namespace
+
+Runtime::Runtime(std::vector<dsp::pipeline::Action> actions, int num_stages,
+                 int num_ranks, int num_microbatches,
+                 c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : actions_(std::move(actions)),
+      num_stages_(num_stages),
+      num_ranks_(num_ranks),
+      num_microbatches_(num_microbatches),
+      my_rank_(group->getRank()),
+      group_(std::move(group)) {
+  TORCH_CHECK_VALUE(group_->getSize() == num_ranks_, "dsp pipeline: the schedule needs ",
+                    num_ranks_, " ranks, the group has ", group_->getSize());
+}
+
+int Runtime::tag(int stage, int mb, bool backward, bool header) const {
+  return ((stage * num_microbatches_ + mb) * 2 + static_cast<int>(backward)) * 2 +
+         static_cast<int>(header);
+}
+
+void Runtime::checkShape(int stage, int mb, at::IntArrayRef shape, at::ScalarType dtype) {
+  const auto [it, first] = shapes_.try_emplace(stage, shape.vec(), dtype);
+  if (first) return;
+  TORCH_CHECK(
+      it->second.first == shape.vec(), "stage ", stage,
+      " output changed shape between micro-batches: ", shapeString(it->second.first),
+      " for the first, ", shapeString(shape), " for micro-batch ", mb);
+  TORCH_CHECK(it->second.second == dtype, "stage ", stage,
+              " output changed dtype between micro-batches: ", it->second.second,
+              " for the first, ", dtype, " for micro-batch ", mb);
+}
+
+void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
+                             std::vector<c10::intrusive_ptr<c10d::Work>>& pending) {
+  const auto code = std::find(kDTypes.begin(), kDTypes.end(), out.scalar_type());
+  TORCH_CHECK_VALUE(code != kDTypes.end() && out.dim() <= kMaxDims, "stage ", stage,
+                    " output of dtype ", out.scalar_type(), " and ", out.dim(),
+                    " dims cannot be sent between stages");
+  at::Tensor header = at::zeros({kHeaderLen}, at::kLong);
+  int64_t* h = header.data_ptr<int64_t>();
+  h[0] = out.dim();
+  h[1] = code - kDTypes.begin();
+  std::copy(out.sizes().begin(), out.sizes().end(), h + 2);
+  const int dst = rankOf(stage + 1);
+  std::vector<at::Tensor> header_list = {header};
+  auto header_work = group_->send(header_list, dst, tag(stage, mb, false, true));
+  try {
+    checkShape(stage, mb, out.sizes(), out.scalar_type());
+  } catch (...) {
+    // Deliver the header only, so that the receiver raises the same error
+    // (its receive, posted for the old shape, never gets mismatched data).
+    header_work->wait();
+    throw;
+  }
+  pending.push_back(std::move(header_work));
+  std::vector<at::Tensor> data = {out.contiguous()};
+  pending.push_back(group_->send(data, dst, tag(stage, mb, false, false)));
+}
+
+void Runtime::prefetchActivation(int stage, int mb) {
+  const auto shape = shapes_.find(stage - 1);
+  const Key key{false, stage, mb};
+  if (shape == shapes_.end() || posted_.count(key)) return;
+  Posted p;
+  p.header = at::empty({kHeaderLen}, at::kLong);
+  p.data = at::empty(shape->second.first, at::TensorOptions(shape->second.second));
+  const int src = rankOf(stage - 1);
+  std::vector<at::Tensor> h = {p.header}, d = {p.data};
+  p.works.push_back(group_->recv(h, src, tag(stage - 1, mb, false, true)));
+  p.works.push_back(group_->recv(d, src, tag(stage - 1, mb, false, false)));
+  posted_.emplace(key, std::move(p));
+}
+
+at::Tensor Runtime::receiveActivation(int stage, int mb) {
+  const auto posted = posted_.find({false, stage, mb});
+  if (posted != posted_.end()) {
+    Posted p = std::move(posted->second);
+    posted_.erase(posted);
+    p.works[0]->wait();
+    const auto [shape, dtype] = parseHeader(p.header);
+    checkShape(stage - 1, mb, shape, dtype);  // raises before waiting for data never sent
+    p.works[1]->wait();
+    return p.data;
+  }
+  const int src = rankOf(stage - 1);
+  std::vector<at::Tensor> h = {at::empty({kHeaderLen}, at::kLong)};
+  group_->recv(h, src, tag(stage - 1, mb, false, true))->wait();
+  const auto [shape, dtype] = parseHeader(h[0]);
+  checkShape(stage - 1, mb, shape, dtype);
+  std::vector<at::Tensor> d = {at::empty(shape, at::TensorOptions(dtype))};
+  group_->recv(d, src, tag(stage - 1, mb, false, false))->wait();
+  return d[0];
+}
+
+void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
+  // What travels for one (stage, micro-batch), each dropped once consumed.
+  struct Slot {
+    MaybeTensor input, output, grad_output, grad_input;
+  };
+  std::map<std::pair<int, int>, Slot> slots;
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending;  // sends
+  posted_.clear();  // a failed step's receives never complete
+  trace_.clear();
+  const int last = num_stages_ - 1;
+  for (const auto& a : actions_) {
+    if (a.type == ActionType::kRecvF && a.microbatch == 0) prefetchActivation(a.stage, 0);
+  }
+  for (const auto& a : actions_) {
+    const int s = a.stage, mb = a.microbatch;
+    Slot& slot = slots[{s, mb}];
+    switch (a.type) {
+      case ActionType::kForward: {
+        const double t0 = now();
+        MaybeTensor out = forward(s, mb, std::exchange(slot.input, std::nullopt));
+        trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
+        if (s == last) break;
+        TORCH_CHECK(out.has_value(), "stage ", s, " forward returned no output");
+        if (local(s + 1)) {
+          slots[{s + 1, mb}].input = std::move(out);
+        } else {
+          slot.output = std::move(out);
+        }
+        break;
+      }
+      case ActionType::kBackward: {
+        MaybeTensor grad;
+        if (s != last) {
+          grad = local(s + 1) ? std::exchange(slots[{s + 1, mb}].grad_input, std::nullopt)
+                              : std::exchange(slot.grad_output, std::nullopt);
+        }
+        const double t0 = now();
+        MaybeTensor grad_input = backward(s, mb, std::move(grad));
+        trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
+        if (s != 0) slot.grad_input = std::move(grad_input);
+        break;
+      }
+      case ActionType::kSendF: {
+        at::Tensor out = *std::exchange(slot.output, std::nullopt);
+        sendActivation(s, mb, out, pending);
+        Posted p;
+        p.data = at::empty_like(out);
+        std::vector<at::Tensor> g = {p.data};
+        p.works.push_back(group_->recv(g, rankOf(s + 1), tag(s + 1, mb, true, false)));
+        posted_.emplace(Key{true, s, mb}, std::move(p));
+        break;
+      }
+      case ActionType::kRecvF:
+        slot.input = receiveActivation(s, mb);
+        if (mb + 1 < num_microbatches_) prefetchActivation(s, mb + 1);
+        break;
+      case ActionType::kSendB: {
+        TORCH_CHECK(slot.grad_input.has_value() && slot.grad_input->defined(), "stage ",
+                    s, " backward returned no gradient for its input (micro-batch ", mb,
+                    ")");
+        std::vector<at::Tensor> g = {
+            std::exchange(slot.grad_input, std::nullopt)->contiguous()};
+        pending.push_back(group_->send(g, rankOf(s - 1), tag(s, mb, true, false)));
+        break;
+      }
+      case ActionType::kRecvB: {
+        const auto it = posted_.find({true, s, mb});
+        TORCH_CHECK(it != posted_.end(), "dsp pipeline: ", dsp::pipeline::toString(a),
+                    " before its activation was sent");
+        Posted p = std::move(it->second);
+        posted_.erase(it);
+        waitAll(p.works);
+        slot.grad_output = std::move(p.data);
+        break;
+      }
+    }
+  }
+  waitAll(pending);
+}
+
+}  // namespace dsparallel::pipeline
