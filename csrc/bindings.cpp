@@ -125,6 +125,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("state"), py::arg("hook"))
       .def("bucket_indices", &dsparallel::Reducer::bucketIndices)
+      .def_property_readonly("in_place_buckets", &dsparallel::Reducer::inPlaceBuckets)
       .def_property_readonly("buckets_rebuilt", &dsparallel::Reducer::bucketsRebuilt);
 
   namespace pp = dsp::pipeline;

@@ -104,8 +104,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
   });
 }
 
-// One all-reduce over the flattened tensors: one synchronisation for the lot
-// instead of one per tensor.
+// One all-reduce over all the tensors taken as one array: one
+// synchronisation for the lot instead of one per tensor.
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   if (auto* b = route(tensors, "all_reduce_coalesced"))
@@ -126,15 +126,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
   info.shape = {total};
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
                  [this, tensors, info] {
-                   std::vector<at::Tensor> flat;
-                   for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
-                   at::Tensor buf = at::cat(flat);
-                   comm_->allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), info);
-                   int64_t off = 0;
-                   for (const auto& t : tensors) {
-                     t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
-                     off += t.numel();
+                   // In place, tensor by tensor: no packing copy in or out
+                   // (only a non-contiguous tensor is staged).
+                   std::vector<Staged> staged = stageAll(tensors);
+                   std::vector<void*> ptrs;
+                   std::vector<size_t> counts;
+                   for (const auto& s : staged) {
+                     ptrs.push_back(s.ptr());
+                     counts.push_back(s.count());
                    }
+                   comm_->allReduce(dsp::BufferList(std::move(ptrs), std::move(counts),
+                                                    tensors[0].element_size()),
+                                    info);
+                   for (auto& s : staged) s.copyBack();
                  });
 }
 

@@ -68,6 +68,15 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
     Bucket bucket;
     static_cast<FlatBucket&>(bucket) = FlatBucket::make(params_, assignment[b]);
     bucket.average_in_reduction = fusedAverage(bucket.flat);
+    // On "dsp", a bucket with no hook to see it flat is all-reduced straight
+    // from the gradients (one coalesced all-reduce, averaged in the same
+    // pass): the copies into the bucket and back out cost as much as the
+    // shared-memory reduction itself. Unused-parameter tracking and
+    // gradient-as-bucket-view keep the flat bucket.
+    bucket.in_place_capable = bucket.average_in_reduction &&
+                              !options_.gradient_as_bucket_view &&
+                              !options_.find_unused_parameters &&
+                              !options_.static_graph && backendName(bucket.flat) == "dsp";
     for (size_t k = 0; k < bucket.members.size(); ++k) {
       bucket_of_[bucket.members[k]] = b;
       position_of_[bucket.members[k]] = k;
@@ -123,6 +132,13 @@ std::vector<std::vector<size_t>> Reducer::bucketIndices() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& b : buckets_) out.push_back(b.members);
   return out;
+}
+
+size_t Reducer::inPlaceBuckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t n = 0;
+  for (const auto& b : buckets_) n += inPlace(b) ? 1 : 0;
+  return n;
 }
 
 void Reducer::registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook) {
@@ -223,8 +239,14 @@ void Reducer::markReadyLocked(size_t index, bool used) {
   if (ready_[index]) return;
   ready_[index] = true;
   Bucket& bucket = buckets_[bucket_of_[index]];
-  at::Tensor view = bucket.view(position_of_[index], params_[index]);
   at::Tensor& grad = params_[index].mutable_grad();
+  if (inPlace(bucket)) {
+    // Reduced where it is; a parameter without a gradient contributes zeros.
+    if (!grad.defined()) grad = at::zeros_like(params_[index]);
+    --bucket.pending;
+    return;
+  }
+  at::Tensor view = bucket.view(position_of_[index], params_[index]);
   // Without a comm hook, averaging is either fused into the reduction
   // (fusedAverage) or, as torch does it, into this copy: x * (1/n) on the way
   // into the bucket, saving a pass over the gradients.
@@ -264,6 +286,12 @@ void Reducer::launchReadyLocked() {
       c10d::GradBucket gb(next_launch_, buckets_.size(), b.flat, offsets, lengths, sizes,
                           params, std::nullopt);
       b.future = comm_hook_->runHook(gb);
+    } else if (inPlace(b)) {
+      std::vector<at::Tensor> grads;
+      for (size_t m : b.members) grads.push_back(params_[m].mutable_grad());
+      c10d::AllreduceCoalescedOptions opts;
+      opts.reduceOp = c10d::ReduceOp::AVG;
+      b.future = group_->allreduce_coalesced(grads, opts)->getFuture();
     } else {
       // Already scaled by 1/n on the way in, unless the backend averages.
       std::vector<at::Tensor> t = {b.flat};
@@ -275,11 +303,15 @@ void Reducer::launchReadyLocked() {
   }
 }
 
+std::string Reducer::backendName(const at::Tensor& t) const {
+  return group_->getBackend(t.device().type())->getBackendName();
+}
+
 bool Reducer::fusedAverage(const at::Tensor& flat) const {
   // Backends whose all-reduce supports AVG for floating types average in the
   // same pass; gloo does not.
   if (!at::isFloatingType(flat.scalar_type())) return false;
-  const std::string name = group_->getBackend(flat.device().type())->getBackendName();
+  const std::string name = backendName(flat);
   return name == "dsp" || name == "nccl";
 }
 
@@ -352,6 +384,7 @@ void Reducer::finalizeBackward() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!used[i]) continue;  // no rank produced a gradient: leave .grad as it is
     const Bucket& b = buckets_[bucket_of_[i]];
+    if (inPlace(b)) continue;  // .grad holds the result already
     at::Tensor view = b.view(position_of_[i], params_[i]);
     at::Tensor& grad = params_[i].mutable_grad();
     if (options_.gradient_as_bucket_view) {

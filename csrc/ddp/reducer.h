@@ -57,11 +57,15 @@ class Reducer {
 
   // Parameter indices per bucket, in launch order (for tests and logs).
   std::vector<std::vector<size_t>> bucketIndices() const;
+  // How many buckets are all-reduced straight from the gradients (no flat copy).
+  size_t inPlaceBuckets() const;
   bool bucketsRebuilt() const { return rebuilt_; }
 
  private:
   struct Bucket : FlatBucket {
     bool average_in_reduction = false;  // fusedAverage(flat), fixed per bucket
+    // The gradients can be all-reduced where they are (see inPlace).
+    bool in_place_capable = false;
     size_t pending = 0;
     c10::intrusive_ptr<c10::ivalue::Future> future;
   };
@@ -69,7 +73,9 @@ class Reducer {
   void autogradHook(size_t index);
   void markReadyLocked(size_t index, bool used);
   void launchReadyLocked();
+  std::string backendName(const at::Tensor& t) const;
   bool fusedAverage(const at::Tensor& flat) const;
+  bool inPlace(const Bucket& b) const { return b.in_place_capable && !comm_hook_; }
   void finalizeBackward();
   void buildBuckets(const std::vector<size_t>& order);
   void maybeRebuildBuckets();

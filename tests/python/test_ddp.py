@@ -123,6 +123,11 @@ def _parity_body(rank, n, model_name, kwargs):
         assert len(ours.bucket_indices()) >= 5, ours.bucket_indices()
     if not kwargs.get("find_unused_parameters"):
         assert ours.reducer.buckets_rebuilt
+    # Over "dsp", buckets are reduced straight from the gradients unless a
+    # flag needs the flat bucket.
+    flat_needed = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view"}
+    want = 0 if flat_needed & set(kwargs) else len(ours.bucket_indices())
+    assert ours.reducer.in_place_buckets == want
     if kwargs.get("gradient_as_bucket_view"):
         # .grad are views into the buckets: one storage per bucket
         storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
@@ -158,6 +163,7 @@ def _over_gloo_body(rank, n):
         process_group=gloo,
     )
     ours = _train(dsparallel.DDP, Transformer, MODELS["transformer"][1], process_group=gloo)
+    assert ours.reducer.in_place_buckets == 0  # gloo cannot average in the reduction
     for p, q in zip(theirs.parameters(), ours.parameters()):
         torch.testing.assert_close(q, p, **TOL)
 

@@ -340,30 +340,109 @@ size_t ShmComm::maxSendOverRanks(uint32_t step) const {
 // ---------------------------------------------------------------------------
 // all-reduce
 
+// ---------------------------------------------------------------------------
+// all-reduce
+
+BufferList::BufferList(std::vector<void*> ptrs, std::vector<size_t> counts,
+                       size_t elem_size)
+    : es_(elem_size) {
+  if (ptrs.size() != counts.size()) {
+    throw std::invalid_argument("dsp: BufferList needs one count per buffer");
+  }
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    ptrs_.push_back(static_cast<char*>(ptrs[i]));
+    starts_.push_back(total_);
+    total_ += counts[i];
+  }
+  starts_.push_back(total_);
+  ptrs_.push_back(nullptr);  // forRange may step onto the end marker with n == 0
+}
+
+namespace {
+
+// One contiguous input and output (which may be the same).
+struct ContiguousIo {
+  const char* in;
+  char* out;
+  size_t es;
+  void gather(void* dst, size_t off, size_t n) const {
+    std::memcpy(dst, in + off * es, n * es);
+  }
+  void scatter(size_t off, size_t n, const void* src) const {
+    std::memcpy(out + off * es, src, n * es);
+  }
+  template <typename Fn>
+  void forOut(size_t off, size_t n, Fn&& fn) const {
+    if (n) fn(out + off * es, size_t{0}, n);
+  }
+};
+
+// Several buffers, in place.
+struct ListIo {
+  const BufferList& list;
+  void gather(void* dst, size_t off, size_t n) const {
+    const size_t es = list.elementSize();
+    list.forRange(off, n, [&](char* p, size_t done, size_t k) {
+      std::memcpy(static_cast<char*>(dst) + done * es, p, k * es);
+    });
+  }
+  void scatter(size_t off, size_t n, const void* src) const {
+    const size_t es = list.elementSize();
+    list.forRange(off, n, [&](char* p, size_t done, size_t k) {
+      std::memcpy(p, static_cast<const char*>(src) + done * es, k * es);
+    });
+  }
+  template <typename Fn>
+  void forOut(size_t off, size_t n, Fn&& fn) const {
+    list.forRange(off, n, fn);
+  }
+};
+
+}  // namespace
+
 void ShmComm::allReduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
+  const ContiguousIo io{static_cast<const char*>(in), static_cast<char*>(out),
+                        elementSize(info.dtype)};
   if (count * elementSize(info.dtype) <= options_.one_shot_max_bytes &&
       count * elementSize(info.dtype) <= options_.chunk_bytes) {
-    allReduceOneShot(in, out, count, info);
+    allReduceOneShot(io, count, info);
   } else {
-    allReduceScatterGather(in, out, count, info);
+    allReduceScatterGather(io, count, info);
+  }
+}
+
+void ShmComm::allReduce(const BufferList& buffers, const CallInfo& info) {
+  if (buffers.elementSize() != elementSize(info.dtype)) {
+    throw std::invalid_argument("dsp: all_reduce buffers and dtype disagree on the size");
+  }
+  begin(info);
+  const ListIo io{buffers};
+  const size_t count = buffers.count();
+  if (count * elementSize(info.dtype) <= options_.one_shot_max_bytes &&
+      count * elementSize(info.dtype) <= options_.chunk_bytes) {
+    allReduceOneShot(io, count, info);
+  } else {
+    allReduceScatterGather(io, count, info);
   }
 }
 
 // Small messages: one step. Every rank copies its input into its slot, then
 // reduces all n slots into its output. Fewest synchronisations; the n-fold
 // read is cheap while it stays in cache.
-void ShmComm::allReduceOneShot(const void* in, void* out, size_t count,
-                               const CallInfo& info) {
-  const size_t bytes = count * elementSize(info.dtype);
+template <typename Io>
+void ShmComm::allReduceOneShot(const Io& io, size_t count, const CallInfo& info) {
+  const size_t es = elementSize(info.dtype);
   const uint32_t s = nextStep();
   publishDescriptor(s, info, count);
-  if (bytes) std::memcpy(slot(rank_, s), in, bytes);
+  if (count) io.gather(slot(rank_, s), 0, count);
   arriveAndWait(s);
   checkDescriptors(s, true);
   std::vector<const void*> srcs(size_);
-  for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s);
-  reduceInto(out, srcs.data(), size_, count, info.dtype, info.op, size_);
+  io.forOut(0, count, [&](char* out, size_t done, size_t n) {
+    for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + done * es;
+    reduceInto(out, srcs.data(), size_, n, info.dtype, info.op, size_);
+  });
 }
 
 // Large messages: pipelined reduce-scatter + all-gather over segments of
@@ -378,13 +457,11 @@ void ShmComm::allReduceOneShot(const void* in, void* out, size_t count,
 // One extra step drains the last segment (and one step number is skipped
 // after it, see the end). Each rank touches about 3.5x the
 // message (copy in, 1/n reduce, copy out) instead of n+2 times.
-void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
-                                     const CallInfo& info) {
+template <typename Io>
+void ShmComm::allReduceScatterGather(const Io& io, size_t count, const CallInfo& info) {
   const size_t es = elementSize(info.dtype);
   const size_t seg = options_.chunk_bytes / es;
   const size_t nseg = ceilDiv(count, seg);
-  const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
   std::vector<const void*> srcs(size_);
   uint32_t prev = 0;
   for (size_t k = 0; k <= nseg; ++k) {
@@ -392,7 +469,7 @@ void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
     const size_t segBegin = k * seg;
     const size_t segLen = k < nseg ? std::min(seg, count - segBegin) : 0;
     if (k == 0) publishDescriptor(s, info, count);
-    if (segLen) std::memcpy(slot(rank_, s), src + segBegin * es, segLen * es);
+    if (segLen) io.gather(slot(rank_, s), segBegin, segLen);
     arriveAndWait(s);
     if (k == 0) checkDescriptors(s, true);
     if (segLen) {
@@ -407,8 +484,7 @@ void ShmComm::allReduceScatterGather(const void* in, void* out, size_t count,
       for (int r = 0; r < size_; ++r) {
         const auto [b, e] = sliceOf(r, prevLen, size_);
         if (e > b) {
-          std::memcpy(dst + (prevBegin + b) * es,
-                      slot(r, prev) + options_.chunk_bytes + b * es, (e - b) * es);
+          io.scatter(prevBegin + b, e - b, slot(r, prev) + options_.chunk_bytes + b * es);
         }
       }
     }

@@ -23,6 +23,7 @@
 // then broken and refuses further work.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -90,6 +91,44 @@ struct ShmOptions {
   int machine_ranks = -1;
 };
 
+// Several buffers of one dtype seen as one array: an all-reduce over them
+// reads and writes each in place, with no packing copy before or after (the
+// gradients of a DDP bucket). Each buffer is contiguous.
+class BufferList {
+ public:
+  BufferList(std::vector<void*> ptrs, std::vector<size_t> counts, size_t elem_size);
+  size_t count() const { return total_; }
+  size_t elementSize() const { return es_; }
+  // Calls fn(char* piece, size_t done, size_t n) for the pieces that cover
+  // elements [off, off + len) in order; `done` counts the elements of the
+  // range before this piece.
+  template <typename Fn>
+  void forRange(size_t off, size_t len, Fn&& fn) const;
+
+ private:
+  std::vector<char*> ptrs_;
+  std::vector<size_t> starts_;  // element offset of each buffer; one past the end last
+  size_t es_;
+  size_t total_ = 0;
+};
+
+template <typename Fn>
+void BufferList::forRange(size_t off, size_t len, Fn&& fn) const {
+  if (len == 0) return;
+  // The buffer holding element `off`: the last start at or before it.
+  size_t i = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), off) -
+                                 starts_.begin()) -
+             1;
+  size_t done = 0;
+  while (done < len) {
+    const size_t at = off + done - starts_[i];
+    const size_t n = std::min(len - done, starts_[i + 1] - starts_[i] - at);
+    if (n) fn(ptrs_[i] + at * es_, done, n);
+    done += n;
+    ++i;
+  }
+}
+
 class ShmComm {
  public:
   // Rank 0 creates the segment `name`; the others attach to it. Returns after
@@ -108,6 +147,8 @@ class ShmComm {
 
   // out[i] = op over ranks of in[i]; in may equal out. AVG divides by size().
   void allReduce(const void* in, void* out, size_t count, const CallInfo& info);
+  // The same, in place over several buffers taken as one array.
+  void allReduce(const BufferList& buffers, const CallInfo& info);
   // buf on every rank becomes root's buf.
   void broadcast(void* buf, size_t bytes, const CallInfo& info);
   // out (root only; may equal in) = op over ranks of in.
@@ -148,9 +189,14 @@ class ShmComm {
   template <typename Write, typename Read>
   void chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
                     Write&& write, Read&& read);
-  void allReduceOneShot(const void* in, void* out, size_t count, const CallInfo& info);
-  void allReduceScatterGather(const void* in, void* out, size_t count,
-                              const CallInfo& info);
+  // The two all-reduce algorithms, over an Io that copies ranges of the
+  // input into a slot (gather), of a slot into the output (scatter), and
+  // visits output ranges in pieces (forOut): one contiguous buffer or a
+  // BufferList.
+  template <typename Io>
+  void allReduceOneShot(const Io& io, size_t count, const CallInfo& info);
+  template <typename Io>
+  void allReduceScatterGather(const Io& io, size_t count, const CallInfo& info);
 
   int rank_;
   int size_;
