@@ -133,10 +133,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
                                                         std::function<void()> run) {
   auto work =
       c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs), std::move(run));
+  std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stop_, "dsp: process group is shutting down");
     queue_.push_back(work);
+    finished.swap(finished_);
   }
   cv_.notify_all();
   return work;
@@ -156,15 +158,19 @@ bool ProcessGroupDSP::runOne(std::unique_lock<std::mutex>& lock) {
   // DDP comm hook) may issue and wait on further collectives.
   work->complete(error);
   lock.lock();
+  if (work.use_count() == 1) finished_.push_back(std::move(work));
   cv_.notify_all();
   return true;
 }
 
 void ProcessGroupDSP::runUntil(WorkDSP* work) {
+  std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
   std::unique_lock<std::mutex> lock(mutex_);
   while (!work->isCompleted()) {
     if (!runOne(lock)) cv_.wait(lock);
   }
+  finished.swap(finished_);
+  lock.unlock();
 }
 
 void ProcessGroupDSP::workerLoop() {

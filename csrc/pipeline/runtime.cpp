@@ -6,8 +6,12 @@
 // it, so a receive posted late stalls its sender's data until the receiving
 // rank gets there. Receives are therefore posted ahead wherever their shape
 // is known: a gradient as soon as its activation is sent, the next
-// micro-batch's activation as soon as the previous one has arrived (the
-// first step learns each stage's output shape from the headers).
+// micro-batch's activation as soon as the previous one has arrived.
+//
+// An activation carries a header (shape, dtype), so that a stage whose output
+// changes shape is caught on both ends. A stage's first activation sends its
+// header alone, then the data; from then on both ends know the size, and
+// header and payload travel as one message (one transfer, not two).
 #include "runtime.h"
 
 #include <ATen/ATen.h>
@@ -24,6 +28,10 @@ using dsp::pipeline::ActionType;
 
 constexpr int kMaxDims = 8;
 constexpr int kHeaderLen = 2 + kMaxDims;  // ndim, dtype code, the sizes
+// Once a stage's output shape is known, an activation travels as one message:
+// the header, then the payload from this byte on (aligned for every dtype).
+constexpr int64_t kPayloadOffset = 128;
+static_assert(kHeaderLen * 8 <= kPayloadOffset, "the header fits before the payload");
 const std::vector<at::ScalarType> kDTypes = {at::kFloat,    at::kDouble, at::kHalf,
                                              at::kBFloat16, at::kLong,   at::kInt};
 
@@ -41,13 +49,27 @@ std::string shapeString(at::IntArrayRef shape) {
   return out + "]";
 }
 
-std::pair<std::vector<int64_t>, at::ScalarType> parseHeader(const at::Tensor& header) {
-  const int64_t* h = header.data_ptr<int64_t>();
+std::pair<std::vector<int64_t>, at::ScalarType> parseHeader(const at::Tensor& message) {
+  const int64_t* h = reinterpret_cast<const int64_t*>(message.data_ptr());
   TORCH_CHECK(h[0] >= 0 && h[0] <= kMaxDims && h[1] >= 0 &&
                   h[1] < static_cast<int64_t>(kDTypes.size()),
               "dsp pipeline: a corrupt activation header (ndim ", h[0], ", dtype code ",
               h[1], ")");
   return {std::vector<int64_t>(h + 2, h + 2 + h[0]), kDTypes[h[1]]};
+}
+
+int64_t payloadBytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+// The payload of a one-message activation, as a tensor over its bytes.
+at::Tensor payloadOf(const at::Tensor& message, const std::vector<int64_t>& shape,
+                     at::ScalarType dtype) {
+  return message.narrow(0, kPayloadOffset, payloadBytes(shape, dtype))
+      .view(dtype)
+      .view(shape);
 }
 
 void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
@@ -93,25 +115,38 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   TORCH_CHECK_VALUE(code != kDTypes.end() && out.dim() <= kMaxDims, "stage ", stage,
                     " output of dtype ", out.scalar_type(), " and ", out.dim(),
                     " dims cannot be sent between stages");
-  at::Tensor header = at::zeros({kHeaderLen}, at::kLong);
-  int64_t* h = header.data_ptr<int64_t>();
+  const int dst = rankOf(stage + 1);
+  const auto known = shapes_.find(stage);
+  // The stage's first activation: the receiver cannot know its size, so the
+  // header goes alone and the data follows. Later ones travel as one message
+  // of the known size: header, then payload.
+  const int64_t size =
+      known == shapes_.end()
+          ? kHeaderLen * 8
+          : kPayloadOffset + payloadBytes(known->second.first, known->second.second);
+  at::Tensor message = at::empty({size}, at::kByte);
+  int64_t* h = reinterpret_cast<int64_t*>(message.data_ptr());
+  std::fill(h, h + kHeaderLen, 0);
   h[0] = out.dim();
   h[1] = code - kDTypes.begin();
   std::copy(out.sizes().begin(), out.sizes().end(), h + 2);
-  const int dst = rankOf(stage + 1);
-  std::vector<at::Tensor> header_list = {header};
-  auto header_work = group_->send(header_list, dst, tag(stage, mb, false, true));
+  std::vector<at::Tensor> m = {message};
   try {
     checkShape(stage, mb, out.sizes(), out.scalar_type());
   } catch (...) {
-    // Deliver the header only, so that the receiver raises the same error
-    // (its receive, posted for the old shape, never gets mismatched data).
-    header_work->wait();
+    // Deliver the header (in a message of the size the receiver expects),
+    // so that it raises the same error instead of waiting for data.
+    group_->send(m, dst, tag(stage, mb, false, true))->wait();
     throw;
   }
-  pending.push_back(std::move(header_work));
-  std::vector<at::Tensor> data = {out.contiguous()};
-  pending.push_back(group_->send(data, dst, tag(stage, mb, false, false)));
+  if (known == shapes_.end()) {
+    pending.push_back(group_->send(m, dst, tag(stage, mb, false, true)));
+    std::vector<at::Tensor> data = {out.contiguous()};
+    pending.push_back(group_->send(data, dst, tag(stage, mb, false, false)));
+    return;
+  }
+  payloadOf(message, known->second.first, known->second.second).copy_(out);
+  pending.push_back(group_->send(m, dst, tag(stage, mb, false, true)));
 }
 
 void Runtime::prefetchActivation(int stage, int mb) {
@@ -119,34 +154,43 @@ void Runtime::prefetchActivation(int stage, int mb) {
   const Key key{false, stage, mb};
   if (shape == shapes_.end() || posted_.count(key)) return;
   Posted p;
-  p.header = at::empty({kHeaderLen}, at::kLong);
-  p.data = at::empty(shape->second.first, at::TensorOptions(shape->second.second));
-  const int src = rankOf(stage - 1);
-  std::vector<at::Tensor> h = {p.header}, d = {p.data};
-  p.works.push_back(group_->recv(h, src, tag(stage - 1, mb, false, true)));
-  p.works.push_back(group_->recv(d, src, tag(stage - 1, mb, false, false)));
+  p.header = at::empty(
+      {kPayloadOffset + payloadBytes(shape->second.first, shape->second.second)},
+      at::kByte);
+  std::vector<at::Tensor> m = {p.header};
+  p.works.push_back(group_->recv(m, rankOf(stage - 1), tag(stage - 1, mb, false, true)));
   posted_.emplace(key, std::move(p));
 }
 
 at::Tensor Runtime::receiveActivation(int stage, int mb) {
+  const int src = rankOf(stage - 1);
+  const auto known = shapes_.find(stage - 1);
+  if (known == shapes_.end()) {  // the stage's first activation: header, then data
+    std::vector<at::Tensor> h = {at::empty({kHeaderLen * 8}, at::kByte)};
+    group_->recv(h, src, tag(stage - 1, mb, false, true))->wait();
+    const auto [shape, dtype] = parseHeader(h[0]);
+    checkShape(stage - 1, mb, shape, dtype);
+    std::vector<at::Tensor> d = {at::empty(shape, at::TensorOptions(dtype))};
+    group_->recv(d, src, tag(stage - 1, mb, false, false))->wait();
+    return d[0];
+  }
+  at::Tensor message;
   const auto posted = posted_.find({false, stage, mb});
   if (posted != posted_.end()) {
-    Posted p = std::move(posted->second);
+    message = posted->second.header;
+    auto works = std::move(posted->second.works);
     posted_.erase(posted);
-    p.works[0]->wait();
-    const auto [shape, dtype] = parseHeader(p.header);
-    checkShape(stage - 1, mb, shape, dtype);  // raises before waiting for data never sent
-    p.works[1]->wait();
-    return p.data;
+    waitAll(works);
+  } else {
+    std::vector<at::Tensor> m = {at::empty(
+        {kPayloadOffset + payloadBytes(known->second.first, known->second.second)},
+        at::kByte)};
+    group_->recv(m, src, tag(stage - 1, mb, false, true))->wait();
+    message = m[0];
   }
-  const int src = rankOf(stage - 1);
-  std::vector<at::Tensor> h = {at::empty({kHeaderLen}, at::kLong)};
-  group_->recv(h, src, tag(stage - 1, mb, false, true))->wait();
-  const auto [shape, dtype] = parseHeader(h[0]);
+  const auto [shape, dtype] = parseHeader(message);
   checkShape(stage - 1, mb, shape, dtype);
-  std::vector<at::Tensor> d = {at::empty(shape, at::TensorOptions(dtype))};
-  group_->recv(d, src, tag(stage - 1, mb, false, false))->wait();
-  return d[0];
+  return payloadOf(message, shape, dtype);
 }
 
 void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {

@@ -62,8 +62,8 @@ class Runtime {
  private:
   struct Posted {  // a receive posted ahead
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    at::Tensor header;  // activations only
-    at::Tensor data;
+    at::Tensor header;  // activations: the whole message (header, then payload)
+    at::Tensor data;    // gradients
   };
   using Key = std::tuple<bool, int, int>;  // (backward?, stage, micro-batch)
 
