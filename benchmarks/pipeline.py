@@ -7,9 +7,10 @@ Two ranks, one stage each (an MLP of 4 blocks split in two). For GPipe and
 1F1B under both libraries it reports the median step time (slowest rank;
 the four configurations timed in interleaved rounds),
 the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
-span)) next to the planned one, and the first stage's peak activation
-memory: bytes of distinct storages held by autograd for backward (tensors
-saved through saved_tensors_hooks), measured the same way for both.
+span); the median over the timed steps, with its range) next to the planned
+one, and the first stage's peak activation memory: bytes of distinct
+storages held by autograd for backward (tensors saved through
+saved_tensors_hooks), measured the same way for both.
 """
 
 from __future__ import annotations
@@ -61,26 +62,30 @@ def _worker(rank, world, args):
                 stage = pp.PipelineStage(module, rank, world)
                 cls = pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B
             sched = cls(stage, m, loss_fn=loss_fn)
+            traces_of = []  # ours: this rank's measured trace of every step
 
-            def step(sched=sched, module=module):
+            def step(sched=sched, module=module, traces_of=traces_of, lib=lib):
                 module.zero_grad(set_to_none=True)
                 if rank == 0:
                     sched.step(x)
                 else:
                     sched.step(target=y, losses=[])
+                if lib == "dsparallel":
+                    traces_of.append(sched.trace)
 
             for _ in range(2):
                 step()
             saved = SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 step()
-            configs[(lib, name)] = (step, sched, saved.peak)
+            traces_of.clear()  # keep the timed steps only
+            configs[(lib, name)] = (step, traces_of, saved.peak)
 
     steppers = {k: step for k, (step, _, _) in configs.items()}
     rounds = interleaved_rounds(steppers, ROUNDS, max(1, args.steps // ROUNDS))
     samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     rows, traces = [], {}
-    for (lib, name), (_step, sched, peak) in configs.items():
+    for (lib, name), (_step, traces_of, peak) in configs.items():
         row = {
             "lib": lib,
             "schedule": name,
@@ -88,10 +93,17 @@ def _worker(rank, world, args):
             "peak_saved_bytes": peak,
         }
         if lib == "dsparallel":
-            trace = pp.gather_trace(sched)  # the last step of this configuration
-            row["bubble_measured"] = pp.bubble(trace)
+            # Every timed step's trace from every rank: the bubble of each
+            # step, reported as the median (one step alone is noisy here).
+            everyone = [None] * world
+            dist.all_gather_object(everyone, traces_of)
+            steps = [[everyone[r][i] for r in range(world)] for i in range(len(traces_of))]
+            bubbles = sorted((pp.bubble(t), i) for i, t in enumerate(steps))
+            median_bubble, median_step = bubbles[len(bubbles) // 2]
+            row["bubble_measured"] = median_bubble
+            row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
             row["bubble_planned"] = pp.get_schedule(name, world, m).validate().bubble
-            traces[name] = trace
+            traces[name] = steps[median_step]  # the step of median bubble
         rows.append(row)
     if rank == 0 and args.timeline:
         pp.plot_schedule(traces["1f1b"], args.timeline)
@@ -116,22 +128,22 @@ def main():
     )
     print(
         f"{'library':>11} {'schedule':>8} {'step ms':>9} {'vs torch':>9} "
-        f"{'bubble meas/plan':>17} {'peak saved MB':>14}"
+        f"{'bubble meas/plan':>17} {'(range)':>13} {'peak saved MB':>14}"
     )
     ref = {r["schedule"]: r["step_s"] for r in rows if r["lib"] == "torch"}
     for r in rows:
-        bubble = (
-            f"{r['bubble_measured']:.1%} / {r['bubble_planned']:.1%}"
-            if "bubble_measured" in r
-            else "-"
-        )
+        bubble, spread = "-", ""
+        if "bubble_measured" in r:
+            bubble = f"{r['bubble_measured']:.1%} / {r['bubble_planned']:.1%}"
+            lo, hi = r["bubble_range"]
+            spread = f"({lo:.0%}-{hi:.0%})"
         print(
             f"{r['lib']:>11} {r['schedule']:>8} {r['step_s'] * 1e3:>9.1f} "
-            f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} "
+            f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} {spread:>13} "
             f"{r['peak_saved_bytes'] / 2**20:>14.2f}"
         )
     if args.timeline:
-        print(f"timeline of our 1F1B step: {args.timeline}")
+        print(f"timeline of our 1F1B step (the step of median bubble): {args.timeline}")
 
 
 if __name__ == "__main__":
