@@ -425,22 +425,4 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
   return enqueue(c10d::OpType::BARRIER, nullptr, {}, [this] { comm_->barrier(); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& tensors,
-                                                     int dst_rank, int tag) {
-  TORCH_CHECK(p2p_, "dsp send: this group has no point-to-point transport");
-  return p2p_->send(tensors, dst_rank, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(std::vector<at::Tensor>& tensors,
-                                                     int src_rank, int tag) {
-  TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
-  return p2p_->recv(tensors, src_rank, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recvAnysource(
-    std::vector<at::Tensor>& tensors, int tag) {
-  TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
-  return p2p_->recvAnysource(tensors, tag);
-}
-
 }  // namespace dsparallel

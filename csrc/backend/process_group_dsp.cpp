@@ -97,6 +97,7 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.machine_ranks = topology_.machine_ranks;
   options.spins = envInt("DSP_SPINS", options.spins);
   options.yields = envInt("DSP_YIELDS", options.yields);
+  options.p2p_ring_bytes = envBytes("DSP_P2P_RING_BYTES", options.p2p_ring_bytes);
   hier_piece_bytes_ =
       static_cast<int64_t>(envBytes("DSP_HIER_PIECE_BYTES", hier_piece_bytes_));
   // The store handed to a backend is already prefixed per group, so each

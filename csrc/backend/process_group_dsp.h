@@ -9,9 +9,12 @@
 // blocking call issued while nothing is queued runs on the caller's thread
 // without the hand-off.
 //
-// Point-to-point send/recv go through an internal gloo backend that the
-// Python creator builds beside this one: gloo already does tagged pairwise
-// transfers well.
+// Point-to-point send/recv between ranks of one host go through shared-memory
+// rings (core/shm/p2p.h): a send copies into the peer's ring and returns, a
+// receive copies out in the thread that waits on it; no socket, no helper
+// thread. Messages larger than a ring takes, and every message of a group
+// that spans hosts, go through an internal gloo backend that the Python
+// creator builds beside this one (see p2p.cpp).
 //
 // Several hosts: the creator finds which ranks share a host (through the
 // store) and hands this group the host's ranks (`Topology`). The shared-memory
@@ -144,6 +147,10 @@ class ProcessGroupDSP : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override;
+
+  // The shared-memory rings, when they serve a message of `bytes` on CPU
+  // tensors (one host, small enough); null: gloo does.
+  dsp::ShmP2P* shmP2P(const at::Tensor& t);
 
   // Runs queued work on the calling thread until `work` is complete (the
   // caller-runs fast path and the worker loop share this).

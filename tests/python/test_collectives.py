@@ -248,3 +248,46 @@ def _p2p_body(rank, n):
 @pytest.mark.parametrize("world", [2, 3])
 def test_send_recv(world):
     run_ranks(_p2p_body, world)
+
+
+def _p2p_paths_body(rank, n):
+    """Shared-memory rings (up to a ring's worth) and gloo (larger) for the
+    same tags, received out of order; any-source; a non-contiguous target;
+    polling; and a size mismatch named."""
+    import os
+
+    os.environ["DSP_P2P_RING_BYTES"] = "4096"
+    dist.init_process_group("dsp")
+    big = 4096 // 4  # floats: more than a ring takes
+    if rank == 0:
+        for tag, numel in ((1, 5), (2, big), (3, 7), (1, big + 3)):
+            dist.send(torch.arange(numel, dtype=torch.float32) + tag, 1, tag=tag)
+        dist.send(torch.tensor([10.0, 20.0]), 1, tag=4)  # into a column
+        dist.send(torch.ones(3), 1, tag=5)  # the receiver expects 4
+        got = torch.empty(1)
+        src = dist.recv(got, tag=6)  # any source
+        assert (src, got.item()) == (1, 66.0)
+    else:
+        want = {3: 7, 2: big, 1: 5}
+        bufs = {tag: torch.empty(numel) for tag, numel in want.items()}
+        reqs = {tag: dist.irecv(bufs[tag], 0, tag=tag) for tag in want}
+        for tag in (3, 1, 2):  # not the order sent
+            reqs[tag].wait()
+        for tag, numel in want.items():
+            assert torch.equal(bufs[tag], torch.arange(numel, dtype=torch.float32) + tag), tag
+        second = torch.empty(big + 3)
+        dist.recv(second, 0, tag=1)
+        assert torch.equal(second, torch.arange(big + 3, dtype=torch.float32) + 1)
+        m = torch.zeros(2, 3)
+        work = dist.irecv(m[:, 1], 0, tag=4)
+        while not work.is_completed():
+            pass
+        work.wait()
+        assert torch.equal(m[:, 1], torch.tensor([10.0, 20.0])) and m.sum() == 30
+        with pytest.raises(RuntimeError, match="has 12 bytes, the receive expects 16"):
+            dist.recv(torch.empty(4), 0, tag=5)
+        dist.send(torch.tensor([66.0]), 0, tag=6)
+
+
+def test_send_recv_through_rings_and_gloo():
+    run_ranks(_p2p_paths_body, 2, init=False)

@@ -107,7 +107,8 @@ struct alignas(kCacheLine) Header {
   uint64_t magic;
   uint64_t nranks;
   uint64_t chunk_bytes;
-  char pad[kCacheLine - 3 * sizeof(uint64_t)];
+  uint64_t p2p_ring_bytes;
+  char pad[kCacheLine - 4 * sizeof(uint64_t)];
 };
 static_assert(sizeof(Header) == kCacheLine, "Header: one line");
 
@@ -116,8 +117,11 @@ struct ShmComm::Layout {
   static size_t slotsOffset(int n) {
     return roundUp(sizeof(Header) + n * sizeof(RankControl), kPage);
   }
-  static size_t total(int n, size_t slot_bytes) {
+  static size_t p2pOffset(int n, size_t slot_bytes) {
     return slotsOffset(n) + static_cast<size_t>(n) * 2 * slot_bytes;
+  }
+  static size_t total(int n, size_t slot_bytes, size_t ring_bytes) {
+    return p2pOffset(n, slot_bytes) + ShmP2P::regionBytes(n, ring_bytes);
   }
 };
 
@@ -136,13 +140,17 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
       defaultWaitPolicy(options_.machine_ranks > 0 ? options_.machine_ranks : size);
   if (options_.spins >= 0) wait_policy_.spins = options_.spins;
   if (options_.yields >= 0) wait_policy_.yields = options_.yields;
-  const size_t bytes = Layout::total(size, slotBytes());
+  if (options_.p2p_ring_bytes == 0)
+    options_.p2p_ring_bytes = ShmP2P::defaultRingBytes(size);
+  options_.p2p_ring_bytes = roundUp(options_.p2p_ring_bytes, kCacheLine);
+  const size_t bytes = Layout::total(size, slotBytes(), options_.p2p_ring_bytes);
   deadline_ = std::chrono::steady_clock::now() + options_.timeout;
   if (rank == 0) {
     segment_ = Segment::create(name, bytes);
     auto* h = static_cast<Header*>(segment_.data());
     h->nranks = static_cast<uint64_t>(size);
     h->chunk_bytes = options_.chunk_bytes;
+    h->p2p_ring_bytes = options_.p2p_ring_bytes;
     std::atomic_thread_fence(std::memory_order_release);
     reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic);
   } else {
@@ -155,15 +163,22 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
       sched_yield();
     }
     if (h->nranks != static_cast<uint64_t>(size) ||
-        h->chunk_bytes != options_.chunk_bytes) {
+        h->chunk_bytes != options_.chunk_bytes ||
+        h->p2p_ring_bytes != options_.p2p_ring_bytes) {
       throw std::runtime_error(
           "dsp: ranks disagree on the shared-memory layout (group size " +
           std::to_string(h->nranks) + " vs " + std::to_string(size) + ", chunk bytes " +
           std::to_string(h->chunk_bytes) + " vs " + std::to_string(options_.chunk_bytes) +
-          "): set DSP_CHUNK_BYTES alike");
+          ", ring bytes " + std::to_string(h->p2p_ring_bytes) + " vs " +
+          std::to_string(options_.p2p_ring_bytes) +
+          "): set DSP_CHUNK_BYTES and DSP_P2P_RING_BYTES alike");
     }
   }
   control(rank_).pid.store(static_cast<int32_t>(getpid()));
+  p2p_ = std::make_unique<ShmP2P>(
+      static_cast<char*>(segment_.data()) + Layout::p2pOffset(size, slotBytes()), rank_,
+      size_, options_.p2p_ring_bytes, options_.timeout, wait_policy_,
+      [this](int r) { return processAlive(control(r).pid.load()); });
   // Init step: once every rank has arrived, every rank has attached, so the
   // name can go. From here on a crash leaves nothing in /dev/shm.
   current_ = Collective::kInit;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "../reduce.h"
+#include "p2p.h"
 #include "segment.h"
 #include "wait.h"
 
@@ -89,6 +90,9 @@ struct ShmOptions {
   // default wait policy); negative: the comm's size. More than the comm when
   // one machine plays several hosts.
   int machine_ranks = -1;
+  // Bytes of each point-to-point ring (one per ordered pair of ranks); 0:
+  // ShmP2P::defaultRingBytes(size).
+  size_t p2p_ring_bytes = 0;
 };
 
 // Several buffers of one dtype seen as one array: an all-reduce over them
@@ -143,7 +147,13 @@ class ShmComm {
   int size() const { return size_; }
   uint64_t sequenceNumber() const { return seq_; }
   const ShmOptions& options() const { return options_; }
-  void setTimeout(std::chrono::milliseconds t) { options_.timeout = t; }
+  void setTimeout(std::chrono::milliseconds t) {
+    options_.timeout = t;
+    p2p_->setTimeout(t);
+  }
+  // Point-to-point messages over the same segment (thread-safe, independent
+  // of the collectives' one-thread rule).
+  ShmP2P& p2p() { return *p2p_; }
 
   // out[i] = op over ranks of in[i]; in may equal out. AVG divides by size().
   void allReduce(const void* in, void* out, size_t count, const CallInfo& info);
@@ -208,6 +218,7 @@ class ShmComm {
   std::chrono::steady_clock::time_point deadline_;
   WaitPolicy wait_policy_;
   std::string broken_;  // non-empty: why this comm refuses work
+  std::unique_ptr<ShmP2P> p2p_;
 };
 
 }  // namespace dsp

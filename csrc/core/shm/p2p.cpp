@@ -1,0 +1,297 @@
+#include "p2p.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+
+namespace dsp {
+namespace {
+
+constexpr size_t kLine = 64;
+constexpr size_t kPage = 4096;
+
+size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+// Leads every message in a ring, on a line of its own; the payload follows
+// on the next line. `skip` marks the unused end of the ring: the message is
+// at the start.
+struct MsgHeader {
+  int64_t tag;
+  uint64_t bytes;
+  uint64_t skip;
+};
+static_assert(sizeof(MsgHeader) <= kLine, "MsgHeader: one line");
+
+size_t recordBytes(size_t payload) { return kLine + roundUp(payload, kLine); }
+
+std::string tagText(int64_t tag) { return "tag " + std::to_string(tag); }
+
+}  // namespace
+
+// Shared between the two ends of one ring; each field on its own line.
+struct alignas(kLine) ShmP2P::Channel {
+  WaitWord sent;  // messages published by the sender
+  char pad0[kLine - sizeof(WaitWord)];
+  WaitWord freed;  // messages consumed by the receiver
+  char pad1[kLine - sizeof(WaitWord)];
+  std::atomic<uint64_t> tail;  // bytes consumed by the receiver, ever
+  char pad2[kLine - sizeof(std::atomic<uint64_t>)];
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "tail crosses processes");
+
+size_t ShmP2P::regionBytes(int size, size_t ring_bytes) {
+  const size_t pairs = static_cast<size_t>(size) * size;
+  return roundUp(pairs * sizeof(Channel), kPage) + pairs * ring_bytes;
+}
+
+size_t ShmP2P::defaultRingBytes(int size) {
+  if (size <= 1) return kPage;
+  // About 64 MiB of rings at most (touched only as they are used), 1 MiB each
+  // for small groups; a power of two between 64 KiB and 1 MiB.
+  const size_t budget = (size_t{64} << 20) / (static_cast<size_t>(size) * (size - 1));
+  size_t ring = size_t{1} << 20;
+  while (ring > budget && ring > (size_t{64} << 10)) ring >>= 1;
+  return ring;
+}
+
+ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
+               std::chrono::milliseconds timeout, WaitPolicy policy,
+               std::function<bool(int)> peer_alive)
+    : region_(region),
+      rank_(rank),
+      size_(size),
+      ring_bytes_(ring_bytes),
+      timeout_(timeout),
+      policy_(policy),
+      peer_alive_(std::move(peer_alive)),
+      unexpected_(size),
+      read_bytes_(size, 0),
+      read_count_(size, 0),
+      written_bytes_(size, 0),
+      written_count_(size, 0) {
+  if (ring_bytes_ < 4 * kLine || ring_bytes_ % kLine != 0) {
+    throw std::invalid_argument("dsp: point-to-point rings of " +
+                                std::to_string(ring_bytes_) +
+                                " bytes (need a multiple of 64, at least 256)");
+  }
+  for (int r = 0; r < size; ++r) send_mutex_.push_back(std::make_unique<std::mutex>());
+}
+
+size_t ShmP2P::maxMessageBytes() const { return ring_bytes_ / 2 - kLine; }
+
+void ShmP2P::setTimeout(std::chrono::milliseconds t) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeout_ = t;
+}
+
+ShmP2P::Channel& ShmP2P::channel(int src, int dst) const {
+  return reinterpret_cast<Channel*>(region_)[static_cast<size_t>(src) * size_ + dst];
+}
+
+char* ShmP2P::ring(int src, int dst) const {
+  const size_t pairs = static_cast<size_t>(size_) * size_;
+  return region_ + roundUp(pairs * sizeof(Channel), kPage) +
+         (static_cast<size_t>(src) * size_ + dst) * ring_bytes_;
+}
+
+void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
+  if (dst < 0 || dst >= size_ || dst == rank_) {
+    throw std::invalid_argument("dsp send: rank " + std::to_string(rank_) +
+                                " cannot send to rank " + std::to_string(dst) +
+                                " of a group of " + std::to_string(size_));
+  }
+  if (bytes > maxMessageBytes()) {
+    throw std::invalid_argument("dsp send: " + std::to_string(bytes) +
+                                " bytes exceed the shared-memory ring's " +
+                                std::to_string(maxMessageBytes()));
+  }
+  std::lock_guard<std::mutex> send_lock(*send_mutex_[dst]);
+  Channel& c = channel(rank_, dst);
+  char* base = ring(rank_, dst);
+  uint64_t head = written_bytes_[dst];
+  const size_t rec = recordBytes(bytes);
+  const size_t off = head % ring_bytes_;
+  const size_t waste = ring_bytes_ - off < rec ? ring_bytes_ - off : 0;
+  const uint64_t end = head + waste + rec;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (end - c.tail.load(std::memory_order_acquire) > ring_bytes_) {
+    // The ring is full. Drain what every peer sent us meanwhile: a peer may
+    // itself be waiting for room in its ring to us (directly, or through a
+    // cycle of ranks each sending to the next).
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (int s = 0; s < size_; ++s) {
+        if (s != rank_) drainLocked(s);
+      }
+    }
+    const uint32_t freed = c.freed.value.load(std::memory_order_acquire);
+    if (end - c.tail.load(std::memory_order_acquire) <= ring_bytes_) break;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline || !peer_alive_(dst)) {
+      throw std::runtime_error(
+          "dsp send to rank " + std::to_string(dst) + " (" + tagText(tag) +
+          ") from rank " + std::to_string(rank_) + ": " +
+          (peer_alive_(dst)
+               ? "its receive ring stayed full for " + std::to_string(timeout_.count()) +
+                     " ms (it received none of the messages before)"
+               : std::string("the peer process has exited")));
+    }
+    waitFor(c.freed, freed + 1, std::min(deadline, now + std::chrono::milliseconds(2)),
+            policy_, [] { return true; });
+  }
+  if (waste) {
+    reinterpret_cast<MsgHeader*>(base + off)->skip = 1;
+    head += waste;
+  }
+  char* at = base + head % ring_bytes_;
+  auto* h = reinterpret_cast<MsgHeader*>(at);
+  h->tag = tag;
+  h->bytes = bytes;
+  h->skip = 0;
+  if (bytes) std::memcpy(at + kLine, data, bytes);
+  written_bytes_[dst] = head + rec;
+  advance(c.sent, ++written_count_[dst]);  // publishes the message (seq_cst)
+}
+
+void ShmP2P::drainLocked(int src) {
+  Channel& c = channel(src, rank_);
+  char* base = ring(src, rank_);
+  while (c.sent.value.load(std::memory_order_acquire) != read_count_[src]) {
+    uint64_t tail = read_bytes_[src];
+    auto* h = reinterpret_cast<const MsgHeader*>(base + tail % ring_bytes_);
+    if (h->skip) {
+      tail += ring_bytes_ - tail % ring_bytes_;
+      h = reinterpret_cast<const MsgHeader*>(base);
+    }
+    const char* payload = reinterpret_cast<const char*>(h) + kLine;
+    const auto match =
+        std::find_if(posted_.begin(), posted_.end(), [&](const RequestPtr& r) {
+          return (r->src == src || r->src == -1) && r->tag == h->tag;
+        });
+    if (match != posted_.end()) {
+      Request& r = **match;
+      r.from = src;
+      if (r.bytes != h->bytes) {
+        r.error = "dsp recv on rank " + std::to_string(rank_) + " from rank " +
+                  std::to_string(src) + " (" + tagText(h->tag) + "): the message has " +
+                  std::to_string(h->bytes) + " bytes, the receive expects " +
+                  std::to_string(r.bytes);
+      } else if (h->bytes) {
+        std::memcpy(r.data, payload, h->bytes);
+      }
+      r.done = true;
+      posted_.erase(match);
+    } else {
+      unexpected_[src].push_back(
+          {h->tag, std::vector<char>(payload, payload + h->bytes)});
+    }
+    tail += recordBytes(h->bytes);
+    read_bytes_[src] = tail;
+    ++read_count_[src];
+    c.tail.store(tail, std::memory_order_release);
+    advance(c.freed, read_count_[src]);
+  }
+}
+
+bool ShmP2P::matchUnexpectedLocked(Request& r) {
+  for (int s = 0; s < size_; ++s) {
+    if (r.src != -1 && s != r.src) continue;
+    auto& q = unexpected_[s];
+    const auto it = std::find_if(q.begin(), q.end(),
+                                 [&](const Unexpected& u) { return u.tag == r.tag; });
+    if (it == q.end()) continue;
+    r.from = s;
+    if (it->data.size() != r.bytes) {
+      r.error = "dsp recv on rank " + std::to_string(rank_) + " from rank " +
+                std::to_string(s) + " (" + tagText(r.tag) + "): the message has " +
+                std::to_string(it->data.size()) + " bytes, the receive expects " +
+                std::to_string(r.bytes);
+    } else if (r.bytes) {
+      std::memcpy(r.data, it->data.data(), r.bytes);
+    }
+    r.done = true;
+    q.erase(it);
+    return true;
+  }
+  return false;
+}
+
+ShmP2P::RequestPtr ShmP2P::postRecv(int src, int64_t tag, void* data, size_t bytes) {
+  if (src < -1 || src >= size_ || src == rank_) {
+    throw std::invalid_argument("dsp recv: rank " + std::to_string(rank_) +
+                                " cannot receive from rank " + std::to_string(src) +
+                                " of a group of " + std::to_string(size_));
+  }
+  auto r = std::make_shared<Request>();
+  r->src = src;
+  r->tag = tag;
+  r->data = data;
+  r->bytes = bytes;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!matchUnexpectedLocked(*r)) posted_.push_back(r);
+  return r;
+}
+
+bool ShmP2P::test(const RequestPtr& r) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!r->done) {
+    for (int s = 0; s < size_; ++s) {
+      if (s != rank_ && (r->src == -1 || r->src == s)) drainLocked(s);
+    }
+  }
+  if (!r->done) return false;
+  if (!r->error.empty()) throw std::runtime_error(r->error);
+  return true;
+}
+
+void ShmP2P::wait(const RequestPtr& r) {
+  std::chrono::milliseconds timeout;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    timeout = timeout_;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    uint32_t seen = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (r->src >= 0) seen = read_count_[r->src];
+    }
+    if (test(r)) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (r->src >= 0) {
+      if (!peer_alive_(r->src)) failWait(*r, true, r->src);
+      if (now >= deadline) failWait(*r, false, r->src);
+      // Sleeps on the source's ring; short slices, so that a receive that
+      // another thread completes is noticed too.
+      waitFor(channel(r->src, rank_).sent, seen + 1,
+              std::min(deadline, now + std::chrono::milliseconds(2)), policy_,
+              [] { return true; });
+    } else {
+      for (int s = 0; s < size_; ++s) {
+        if (s != rank_ && !peer_alive_(s)) failWait(*r, true, s);
+      }
+      if (now >= deadline) failWait(*r, false, -1);
+      sched_yield();
+    }
+  }
+}
+
+int ShmP2P::sourceOf(const RequestPtr& r) const {
+  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mutex_));
+  return r->from;
+}
+
+void ShmP2P::failWait(const Request& r, bool dead, int peer) const {
+  const std::string from = r.src >= 0 ? "rank " + std::to_string(r.src) : "any rank";
+  throw std::runtime_error(
+      "dsp recv on rank " + std::to_string(rank_) + " from " + from + " (" +
+      tagText(r.tag) + ", " + std::to_string(r.bytes) + " bytes): " +
+      (dead ? "rank " + std::to_string(peer) + " has exited"
+            : "nothing arrived within " + std::to_string(timeout_.count()) + " ms"));
+}
+
+}  // namespace dsp

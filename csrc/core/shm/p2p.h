@@ -1,0 +1,116 @@
+// Point-to-point messages between the processes of one host, through rings in
+// shared memory.
+//
+// Each ordered pair (src, dst) has a ring of `ring_bytes` that only src
+// writes and only dst reads. A send copies the message (a small header, then
+// the payload) into the ring and returns: the sender never waits for the
+// receiver to post its receive, and nothing but the two processes' own
+// threads moves the data (no helper thread, no socket). It waits only while
+// the ring is full, and meanwhile drains its own incoming rings, so that
+// ranks sending to each other (two, or a cycle) cannot block each other.
+//
+// Receives match messages by (source, tag) in the order they were posted,
+// as MPI and gloo do: a message that arrives before its receive is posted is
+// copied aside (the "unexpected" queue) to free the ring. Progress happens
+// in whichever thread tests or waits on a receive, or sends.
+//
+// Messages larger than maxMessageBytes() do not fit; callers route them
+// elsewhere by size, which both ends know.
+//
+// Thread-safe. Plain C++17, no torch.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "wait.h"
+
+namespace dsp {
+
+class ShmP2P {
+ public:
+  // Bytes of shared memory needed for `size` ranks with rings of `ring_bytes`.
+  static size_t regionBytes(int size, size_t ring_bytes);
+  // The ring size used by default for `size` ranks: 1 MiB, less when there are
+  // so many ranks that the rings would crowd /dev/shm.
+  static size_t defaultRingBytes(int size);
+
+  // `region`: regionBytes() zeroed bytes of shared memory, the same on every
+  // rank. `peer_alive(r)`: false once rank r's process is gone.
+  ShmP2P(char* region, int rank, int size, size_t ring_bytes,
+         std::chrono::milliseconds timeout, WaitPolicy policy,
+         std::function<bool(int)> peer_alive);
+
+  size_t maxMessageBytes() const;
+  void setTimeout(std::chrono::milliseconds t);
+
+  // Copies `bytes` from `data` into dst's ring. Throws std::runtime_error
+  // (naming the peer) when the ring stays full past the timeout or the peer
+  // has died, std::invalid_argument for a message that does not fit.
+  void send(int dst, int64_t tag, const void* data, size_t bytes);
+
+  struct Request;
+  using RequestPtr = std::shared_ptr<Request>;
+  // Posts a receive of exactly `bytes` into `data` (which must stay valid
+  // until it completes) from `src`, or from any rank when src is -1.
+  RequestPtr postRecv(int src, int64_t tag, void* data, size_t bytes);
+  // Makes progress without blocking; true once the receive has completed.
+  // Throws the receive's error (a size mismatch).
+  bool test(const RequestPtr& r);
+  // Blocks until the receive completes; throws on a size mismatch, a dead
+  // peer or the timeout, naming the peer and tag.
+  void wait(const RequestPtr& r);
+  // The rank the message came from (for any-source receives), once complete.
+  int sourceOf(const RequestPtr& r) const;
+
+ private:
+  struct Channel;
+  struct Unexpected {
+    int64_t tag;
+    std::vector<char> data;
+  };
+
+  Channel& channel(int src, int dst) const;
+  char* ring(int src, int dst) const;
+  // Takes every message that has arrived from `src`, delivering each to the
+  // oldest matching posted receive or to the unexpected queue. Needs mutex_.
+  void drainLocked(int src);
+  bool matchUnexpectedLocked(Request& r);
+  [[noreturn]] void failWait(const Request& r, bool dead, int peer) const;
+
+  char* region_;
+  int rank_;
+  int size_;
+  size_t ring_bytes_;
+  std::chrono::milliseconds timeout_;
+  WaitPolicy policy_;
+  std::function<bool(int)> peer_alive_;
+
+  std::mutex mutex_;                                     // receive side
+  std::vector<std::deque<Unexpected>> unexpected_;       // per source
+  std::deque<RequestPtr> posted_;                        // in posting order
+  std::vector<uint64_t> read_bytes_;                     // per source: ring tail
+  std::vector<uint32_t> read_count_;                     // per source: messages taken
+  std::vector<std::unique_ptr<std::mutex>> send_mutex_;  // per destination
+  std::vector<uint64_t> written_bytes_;                  // per destination: ring head
+  std::vector<uint32_t> written_count_;                  // per destination
+};
+
+struct ShmP2P::Request {
+  int src;  // -1: any
+  int64_t tag;
+  void* data;
+  size_t bytes;
+  bool done = false;
+  int from = -1;
+  std::string error;
+};
+
+}  // namespace dsp

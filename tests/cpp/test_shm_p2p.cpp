@@ -1,0 +1,204 @@
+// ShmP2P with ranks as threads: matching by tag in posting order, messages
+// that arrive before their receive, any-source receives, rings that wrap and
+// fill up (both ways at once), and the errors: a size mismatch, a message too
+// large, a receive that nothing answers.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "test_helpers.h"
+
+namespace dsp {
+namespace {
+
+using testing::messageOf;
+using testing::runRanks;
+
+ShmOptions ringOptions(size_t ring_bytes) {
+  ShmOptions o = testing::smallOptions();
+  o.p2p_ring_bytes = ring_bytes;
+  o.timeout = std::chrono::seconds(10);
+  return o;
+}
+
+void expectNoErrors(const std::vector<std::exception_ptr>& errs) {
+  for (size_t r = 0; r < errs.size(); ++r) {
+    EXPECT_FALSE(errs[r]) << "rank " << r << ": " << messageOf(errs[r]);
+  }
+}
+
+std::vector<int32_t> payload(int64_t tag, size_t n) {
+  std::vector<int32_t> v(n);
+  std::iota(v.begin(), v.end(), static_cast<int32_t>(tag * 1000));
+  return v;
+}
+
+}  // namespace
+
+// Sent as tags 1, 2, 3 and 3 again; received 3 first, then 1 and 2 (they wait
+// aside), then the second 3: each lands where its receive says.
+TEST(ShmP2P, MatchesByTagInPostingOrder) {
+  expectNoErrors(runRanks(2, [](ShmComm& c) {
+    auto& p = c.p2p();
+    if (c.rank() == 0) {
+      for (int64_t tag : {1, 2, 3}) {
+        auto v = payload(tag, 10 + tag);
+        p.send(1, tag, v.data(), v.size() * 4);
+      }
+      auto v = payload(33, 13);
+      p.send(1, 3, v.data(), v.size() * 4);
+    } else {
+      std::vector<int32_t> a(13), b(11), d(12), e(13);
+      auto ra = p.postRecv(0, 3, a.data(), a.size() * 4);
+      auto re = p.postRecv(0, 3, e.data(), e.size() * 4);  // the second tag-3 message
+      p.wait(re);
+      p.wait(ra);
+      auto rb = p.postRecv(0, 1, b.data(), b.size() * 4);
+      auto rd = p.postRecv(0, 2, d.data(), d.size() * 4);
+      p.wait(rd);
+      p.wait(rb);
+      EXPECT_EQ(a, payload(3, 13));
+      EXPECT_EQ(e, payload(33, 13));
+      EXPECT_EQ(b, payload(1, 11));
+      EXPECT_EQ(d, payload(2, 12));
+      EXPECT_EQ(p.sourceOf(rb), 0);
+    }
+  }));
+}
+
+// Every rank sends to every other many messages of random sizes through a
+// small ring (it wraps and fills up, and every pair sends both ways at once);
+// every byte arrives in order.
+TEST(ShmP2P, RingsWrapAndFillBothWays) {
+  const size_t ring = 4096;
+  for (int n : {2, 3, 4}) {
+    expectNoErrors(runRanks(
+        n,
+        [n, ring](ShmComm& c) {
+          auto& p = c.p2p();
+          const size_t max_ints = p.maxMessageBytes() / 4;
+          std::mt19937 gen(1234);  // the same sizes on every rank
+          std::vector<size_t> sizes(300);
+          for (auto& s : sizes) s = gen() % (max_ints + 1);
+          // Post every receive first, then send everything, then wait.
+          std::vector<std::vector<std::vector<int32_t>>> got(n);
+          std::vector<ShmP2P::RequestPtr> reqs;
+          for (int src = 0; src < n; ++src) {
+            if (src == c.rank()) continue;
+            got[src].resize(sizes.size());
+            for (size_t i = 0; i < sizes.size(); ++i) {
+              got[src][i].resize(sizes[i]);
+              reqs.push_back(p.postRecv(src, static_cast<int64_t>(i % 7),
+                                        got[src][i].data(), sizes[i] * 4));
+            }
+          }
+          for (size_t i = 0; i < sizes.size(); ++i) {
+            for (int dst = 0; dst < n; ++dst) {
+              if (dst == c.rank()) continue;
+              auto v = payload(static_cast<int64_t>(c.rank()) * 100000 + i, sizes[i]);
+              p.send(dst, static_cast<int64_t>(i % 7), v.data(), v.size() * 4);
+            }
+          }
+          for (auto& r : reqs) p.wait(r);
+          for (int src = 0; src < n; ++src) {
+            if (src == c.rank()) continue;
+            for (size_t i = 0; i < sizes.size(); ++i) {
+              ASSERT_EQ(got[src][i],
+                        payload(static_cast<int64_t>(src) * 100000 + i, sizes[i]))
+                  << "from " << src << " message " << i;
+            }
+          }
+        },
+        ringOptions(ring)));
+  }
+}
+
+// Without receives posted ahead, two ranks that each send more than a ring
+// holds to the other before receiving anything still finish: a sender waiting
+// for room drains its own incoming ring.
+TEST(ShmP2P, SendersThatBothOverfillDoNotDeadlock) {
+  expectNoErrors(runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        const int peer = 1 - c.rank();
+        const size_t ints = p.maxMessageBytes() / 4;
+        for (int i = 0; i < 20; ++i) {
+          auto v = payload(i, ints);
+          p.send(peer, i, v.data(), v.size() * 4);
+        }
+        for (int i = 0; i < 20; ++i) {
+          std::vector<int32_t> got(ints);
+          p.wait(p.postRecv(peer, i, got.data(), got.size() * 4));
+          ASSERT_EQ(got, payload(i, ints));
+        }
+      },
+      ringOptions(4096)));
+}
+
+TEST(ShmP2P, AnySourceReceivesEachSenderOnce) {
+  const int n = 4;
+  expectNoErrors(runRanks(n, [n](ShmComm& c) {
+    auto& p = c.p2p();
+    if (c.rank() == 0) {
+      std::vector<int> seen;
+      for (int k = 1; k < n; ++k) {
+        int32_t v = -1;
+        auto r = p.postRecv(-1, 7, &v, 4);
+        p.wait(r);
+        EXPECT_EQ(v, p.sourceOf(r) * 10);
+        seen.push_back(p.sourceOf(r));
+      }
+      std::sort(seen.begin(), seen.end());
+      EXPECT_EQ(seen, (std::vector<int>{1, 2, 3}));
+    } else {
+      int32_t v = c.rank() * 10;
+      p.send(0, 7, &v, 4);
+    }
+  }));
+}
+
+TEST(ShmP2P, ErrorsNameThePeerTagAndSizes) {
+  auto errs = runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        if (c.rank() == 0) {
+          int64_t x[3] = {1, 2, 3};
+          p.send(1, 5, x, sizeof(x));
+          std::vector<char> big(p.maxMessageBytes() + 1);
+          EXPECT_THROW(p.send(1, 6, big.data(), big.size()), std::invalid_argument);
+        } else {
+          int64_t y[2];
+          try {
+            p.wait(p.postRecv(0, 5, y, sizeof(y)));
+            ADD_FAILURE() << "a size mismatch went through";
+          } catch (const std::runtime_error& e) {
+            const std::string m = e.what();
+            EXPECT_NE(m.find("from rank 0"), std::string::npos) << m;
+            EXPECT_NE(m.find("tag 5"), std::string::npos) << m;
+            EXPECT_NE(m.find("24 bytes"), std::string::npos) << m;
+            EXPECT_NE(m.find("expects 16"), std::string::npos) << m;
+          }
+          // Nobody sends tag 9: the receive times out, naming what it waited for.
+          p.setTimeout(std::chrono::milliseconds(300));
+          try {
+            p.wait(p.postRecv(0, 9, y, sizeof(y)));
+            ADD_FAILURE() << "a receive nobody answered completed";
+          } catch (const std::runtime_error& e) {
+            const std::string m = e.what();
+            EXPECT_NE(m.find("from rank 0 (tag 9"), std::string::npos) << m;
+            EXPECT_NE(m.find("300 ms"), std::string::npos) << m;
+          }
+        }
+      },
+      ringOptions(4096));
+  for (size_t r = 0; r < errs.size(); ++r) {
+    EXPECT_FALSE(errs[r]) << "rank " << r << ": " << messageOf(errs[r]);
+  }
+}
+
+}  // namespace dsp
