@@ -45,29 +45,6 @@ void stage(const char* where, const std::vector<int>& ranks, Fn&& fn) {
 
 }  // namespace
 
-c10d::Backend& ProcessGroupDSP::flat(const char* what) {
-  TORCH_CHECK(p2p_, "dsp ", what, ": a group spanning hosts needs its gloo group");
-  return *p2p_;
-}
-
-c10d::Backend* ProcessGroupDSP::route(const at::Tensor& t, const char* what,
-                                      bool across_hosts) {
-  if (t.is_cuda()) {
-    TORCH_CHECK(cuda_, "dsp ", what, ": the tensor is on ", t.device(),
-                " but this group has no NCCL backend (torch without CUDA or NCCL, or "
-                "no GPU when the group was created)");
-    return cuda_.get();
-  }
-  if (across_hosts && multiHost()) return &flat(what);
-  return nullptr;
-}
-
-c10d::Backend* ProcessGroupDSP::route(const std::vector<at::Tensor>& ts,
-                                      const char* what) {
-  if (ts.empty()) return multiHost() ? &flat(what) : nullptr;
-  return route(ts[0], what);
-}
-
 void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp op) {
   const bool avg = op == c10d::ReduceOp::AVG;
   const c10d::ReduceOp combine = avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;

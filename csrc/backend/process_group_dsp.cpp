@@ -1,5 +1,5 @@
-// ProcessGroupDSP construction, the work queue and WorkDSP. The collectives
-// themselves are in collectives.cpp.
+// ProcessGroupDSP construction, routing (which engine serves a call), the work
+// queue and WorkDSP. The collectives are in collectives.cpp, send/recv in p2p.cpp.
 #include "process_group_dsp.h"
 
 #include <ATen/core/ivalue.h>
@@ -78,6 +78,31 @@ bool WorkDSP::wait(std::chrono::milliseconds /*timeout*/) {
 
 // ---------------------------------------------------------------------------
 // ProcessGroupDSP: set-up and the queue
+
+// Which engine serves a call: NCCL for CUDA tensors, the world gloo group for
+// a call that spans hosts; null for our shared memory.
+c10d::Backend& ProcessGroupDSP::flat(const char* what) {
+  TORCH_CHECK(p2p_, "dsp ", what, ": a group spanning hosts needs its gloo group");
+  return *p2p_;
+}
+
+c10d::Backend* ProcessGroupDSP::route(const at::Tensor& t, const char* what,
+                                      bool across_hosts) {
+  if (t.is_cuda()) {
+    TORCH_CHECK(cuda_, "dsp ", what, ": the tensor is on ", t.device(),
+                " but this group has no NCCL backend (torch without CUDA or NCCL, or "
+                "no GPU when the group was created)");
+    return cuda_.get();
+  }
+  if (across_hosts && multiHost()) return &flat(what);
+  return nullptr;
+}
+
+c10d::Backend* ProcessGroupDSP::route(const std::vector<at::Tensor>& ts,
+                                      const char* what) {
+  if (ts.empty()) return multiHost() ? &flat(what) : nullptr;
+  return route(ts[0], what);
+}
 
 ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, std::chrono::milliseconds timeout,

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "backend/process_group_dsp.h"
 #include "core/bucket/assign.h"
 
 namespace dsparallel {
@@ -68,15 +69,15 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
     Bucket bucket;
     static_cast<FlatBucket&>(bucket) = FlatBucket::make(params_, assignment[b]);
     bucket.average_in_reduction = fusedAverage(bucket.flat);
-    // On "dsp", a bucket with no hook to see it flat is all-reduced straight
-    // from the gradients (one coalesced all-reduce, averaged in the same
-    // pass): the copies into the bucket and back out cost as much as the
-    // shared-memory reduction itself. Unused-parameter tracking and
-    // gradient-as-bucket-view keep the flat bucket.
+    // On "dsp" (one host, CPU), a bucket with no hook to see it flat is
+    // all-reduced straight from the gradients (one coalesced all-reduce,
+    // averaged in the same pass): the copies into the bucket and back out
+    // cost as much as the shared-memory reduction itself. Unused-parameter
+    // tracking and gradient-as-bucket-view keep the flat bucket.
     bucket.in_place_capable = bucket.average_in_reduction &&
                               !options_.gradient_as_bucket_view &&
                               !options_.find_unused_parameters &&
-                              !options_.static_graph && backendName(bucket.flat) == "dsp";
+                              !options_.static_graph && dspSharedMemory(bucket.flat);
     for (size_t k = 0; k < bucket.members.size(); ++k) {
       bucket_of_[bucket.members[k]] = b;
       position_of_[bucket.members[k]] = k;
@@ -301,6 +302,16 @@ void Reducer::launchReadyLocked() {
     }
     ++next_launch_;
   }
+}
+
+// CPU tensors of a one-host "dsp" group: reduced over our shared memory, on
+// our worker thread, which never frees a gradient's Python object (gloo's and
+// NCCL's threads, serving groups across hosts and CUDA tensors, could, and a
+// non-Python thread freeing one as the interpreter exits aborts the process).
+bool Reducer::dspSharedMemory(const at::Tensor& t) const {
+  const auto backend = group_->getBackend(t.device().type());
+  const auto* dsp = dynamic_cast<const ProcessGroupDSP*>(backend.get());
+  return dsp != nullptr && t.device().is_cpu() && !dsp->multiHost();
 }
 
 std::string Reducer::backendName(const at::Tensor& t) const {

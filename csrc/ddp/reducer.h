@@ -74,6 +74,7 @@ class Reducer {
   void markReadyLocked(size_t index, bool used);
   void launchReadyLocked();
   std::string backendName(const at::Tensor& t) const;
+  bool dspSharedMemory(const at::Tensor& t) const;
   bool fusedAverage(const at::Tensor& flat) const;
   bool inPlace(const Bucket& b) const { return b.in_place_capable && !comm_hook_; }
   void finalizeBackward();

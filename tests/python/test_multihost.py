@@ -95,6 +95,10 @@ def _train_ddp(rank, world):
         opt.zero_grad()
         (ddp(x[8 * rank : 8 * rank + 8]) - y[8 * rank : 8 * rank + 8]).square().mean().backward()
         opt.step()
+    # Buckets reduce in place only over one host's shared memory; across hosts
+    # they stay flat (gloo's threads must not free the gradients).
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert (ddp.reducer.in_place_buckets == 0) == backend.multi_host
     return [p.detach().tolist() for p in model.parameters()]  # plain data through the queue
 
 
