@@ -21,6 +21,16 @@ namespace {
 // callback. Destroying them with the GIL held deadlocks (it did: a dsp group
 // over gloo, dropped by the frame that created it). torch binds its own
 // process groups the same way.
+template <typename Fn>
+void withoutGil(Fn&& fn) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release release;
+    fn();
+  } else {
+    fn();
+  }
+}
+
 template <typename T>
 class NoGilPtr {
  public:
@@ -34,13 +44,7 @@ class NoGilPtr {
   explicit NoGilPtr(T* impl)
       : impl_(c10::intrusive_ptr<T>::unsafe_steal_from_new(impl)) {}
   ~NoGilPtr() {
-    if (!impl_) return;
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      impl_.reset();
-    } else {
-      impl_.reset();
-    }
+    if (impl_) withoutGil([this] { impl_.reset(); });
   }
   T* get() const noexcept { return impl_.get(); }
 
@@ -51,12 +55,7 @@ class NoGilPtr {
 struct DeleteWithoutGil {
   template <typename T>
   void operator()(T* p) const {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      delete p;
-    } else {
-      delete p;
-    }
+    withoutGil([p] { delete p; });
   }
 };
 

@@ -13,14 +13,6 @@ namespace {
 
 using dsp::Collective;
 
-const at::Tensor& single(const std::vector<at::Tensor>& ts, const char* what) {
-  TORCH_CHECK(ts.size() == 1, "dsp ", what,
-              ": expects exactly one tensor per "
-              "rank, got ",
-              ts.size());
-  return ts[0];
-}
-
 void checkRoot(int64_t root, int size, const char* what) {
   TORCH_CHECK(root >= 0 && root < size, "dsp ", what, ": root rank ", root,
               " is not in the group of size ", size);

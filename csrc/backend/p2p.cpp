@@ -18,12 +18,6 @@
 namespace dsparallel {
 namespace {
 
-const at::Tensor& onlyTensor(const std::vector<at::Tensor>& tensors, const char* what) {
-  TORCH_CHECK(tensors.size() == 1, "dsp ", what, ": expects one tensor, got ",
-              tensors.size());
-  return tensors[0];
-}
-
 // A receive through the rings: completes when a test or wait finds it done.
 class ShmRecvWork : public c10d::Work {
  public:
@@ -92,7 +86,7 @@ dsp::ShmP2P* ProcessGroupDSP::shmP2P(const at::Tensor& t) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& tensors,
                                                      int dst_rank, int tag) {
-  const at::Tensor& t = onlyTensor(tensors, "send");
+  const at::Tensor& t = single(tensors, "send");
   if (auto* b = route(t, "send", /*across_hosts=*/false))
     return b->send(tensors, dst_rank, tag);
   if (dsp::ShmP2P* p2p = shmP2P(t)) {
@@ -106,30 +100,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& te
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(std::vector<at::Tensor>& tensors,
                                                      int src_rank, int tag) {
-  const at::Tensor& t = onlyTensor(tensors, "recv");
-  if (auto* b = route(t, "recv", /*across_hosts=*/false))
-    return b->recv(tensors, src_rank, tag);
-  if (dsp::ShmP2P* p2p = shmP2P(t)) {
-    return c10::make_intrusive<ShmRecvWork>(
-        c10::intrusive_ptr<ProcessGroupDSP>::unsafe_reclaim_from_nonowning(this), p2p, t,
-        src_rank, tag);
-  }
-  TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
-  return p2p_->recv(tensors, src_rank, tag);
+  return receive(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recvAnysource(
     std::vector<at::Tensor>& tensors, int tag) {
-  const at::Tensor& t = onlyTensor(tensors, "recv");
-  if (auto* b = route(t, "recv", /*across_hosts=*/false))
-    return b->recvAnysource(tensors, tag);
-  if (dsp::ShmP2P* p2p = shmP2P(t)) {
-    return c10::make_intrusive<ShmRecvWork>(
-        c10::intrusive_ptr<ProcessGroupDSP>::unsafe_reclaim_from_nonowning(this), p2p, t,
-        -1, tag);
+  return receive(tensors, -1, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::receive(std::vector<at::Tensor>& tensors,
+                                                        int src_rank, int tag) {
+  const at::Tensor& t = single(tensors, "recv");
+  dsp::ShmP2P* shm = nullptr;
+  c10d::Backend* other = route(t, "recv", /*across_hosts=*/false);
+  if (other == nullptr && (shm = shmP2P(t)) == nullptr) {
+    TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
+    other = p2p_.get();
   }
-  TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
-  return p2p_->recvAnysource(tensors, tag);
+  if (shm != nullptr) {
+    return c10::make_intrusive<ShmRecvWork>(
+        c10::intrusive_ptr<ProcessGroupDSP>::unsafe_reclaim_from_nonowning(this), shm, t,
+        src_rank, tag);
+  }
+  return src_rank < 0 ? other->recvAnysource(tensors, tag)
+                      : other->recv(tensors, src_rank, tag);
 }
 
 }  // namespace dsparallel

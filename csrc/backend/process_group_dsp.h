@@ -148,10 +148,6 @@ class ProcessGroupDSP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override;
 
-  // The shared-memory rings, when they serve a message of `bytes` on CPU
-  // tensors (one host, small enough); null: gloo does.
-  dsp::ShmP2P* shmP2P(const at::Tensor& t);
-
   // Runs queued work on the calling thread until `work` is complete (the
   // caller-runs fast path and the worker loop share this).
   void runUntil(WorkDSP* work);
@@ -165,6 +161,14 @@ class ProcessGroupDSP : public c10d::Backend {
   bool hierarchical() const { return multiHost() && topology_.inter; }
 
  private:
+  // recv (src_rank >= 0) and recvAnysource (-1): one routing for both.
+  c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int src_rank,
+                                         int tag);
+
+  // The shared-memory rings, when they serve a message of `bytes` on CPU
+  // tensors (one host, small enough); null: gloo does.
+  dsp::ShmP2P* shmP2P(const at::Tensor& t);
+
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs,
                                          std::function<void()> run);

@@ -89,6 +89,12 @@ dsp::CallInfo callInfo(dsp::Collective kind, const at::Tensor& t, dsp::ReduceOp 
   return info;
 }
 
+const at::Tensor& single(const std::vector<at::Tensor>& ts, const char* what) {
+  TORCH_CHECK(ts.size() == 1, "dsp ", what, ": expects exactly one tensor per rank, got ",
+              ts.size());
+  return ts[0];
+}
+
 std::vector<Staged> stageAll(const std::vector<at::Tensor>& ts) {
   std::vector<Staged> out;
   out.reserve(ts.size());

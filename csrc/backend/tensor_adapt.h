@@ -20,6 +20,9 @@ dsp::DType checkedDType(const at::Tensor& t, const char* what);
 dsp::ReduceOp checkedReduceOp(const c10d::ReduceOp& op, dsp::DType dtype,
                               const char* what);
 
+// The one tensor of a call that takes one per rank (raises otherwise).
+const at::Tensor& single(const std::vector<at::Tensor>& ts, const char* what);
+
 // All tensors must share dtype and element count with `ref` (the list forms
 // of all_gather, scatter, ...).
 void checkSameAs(const at::TensorList tensors, const at::Tensor& ref, const char* what);

@@ -416,26 +416,24 @@ struct ListIo {
 }  // namespace
 
 void ShmComm::allReduce(const void* in, void* out, size_t count, const CallInfo& info) {
-  begin(info);
-  const ContiguousIo io{static_cast<const char*>(in), static_cast<char*>(out),
-                        elementSize(info.dtype)};
-  if (count * elementSize(info.dtype) <= options_.one_shot_max_bytes &&
-      count * elementSize(info.dtype) <= options_.chunk_bytes) {
-    allReduceOneShot(io, count, info);
-  } else {
-    allReduceScatterGather(io, count, info);
-  }
+  allReduceWith(ContiguousIo{static_cast<const char*>(in), static_cast<char*>(out),
+                             elementSize(info.dtype)},
+                count, info);
 }
 
 void ShmComm::allReduce(const BufferList& buffers, const CallInfo& info) {
   if (buffers.elementSize() != elementSize(info.dtype)) {
     throw std::invalid_argument("dsp: all_reduce buffers and dtype disagree on the size");
   }
+  allReduceWith(ListIo{buffers}, buffers.count(), info);
+}
+
+// Begins the collective and picks the algorithm by size.
+template <typename Io>
+void ShmComm::allReduceWith(const Io& io, size_t count, const CallInfo& info) {
   begin(info);
-  const ListIo io{buffers};
-  const size_t count = buffers.count();
-  if (count * elementSize(info.dtype) <= options_.one_shot_max_bytes &&
-      count * elementSize(info.dtype) <= options_.chunk_bytes) {
+  const size_t bytes = count * elementSize(info.dtype);
+  if (bytes <= options_.one_shot_max_bytes && bytes <= options_.chunk_bytes) {
     allReduceOneShot(io, count, info);
   } else {
     allReduceScatterGather(io, count, info);

@@ -204,6 +204,8 @@ class ShmComm {
   // visits output ranges in pieces (forOut): one contiguous buffer or a
   // BufferList.
   template <typename Io>
+  void allReduceWith(const Io& io, size_t count, const CallInfo& info);
+  template <typename Io>
   void allReduceOneShot(const Io& io, size_t count, const CallInfo& info);
   template <typename Io>
   void allReduceScatterGather(const Io& io, size_t count, const CallInfo& info);

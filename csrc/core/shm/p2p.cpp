@@ -281,7 +281,7 @@ void ShmP2P::wait(const RequestPtr& r) {
 }
 
 int ShmP2P::sourceOf(const RequestPtr& r) const {
-  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mutex_));
+  std::lock_guard<std::mutex> lock(mutex_);
   return r->from;
 }
 

@@ -93,7 +93,7 @@ class ShmP2P {
   WaitPolicy policy_;
   std::function<bool(int)> peer_alive_;
 
-  std::mutex mutex_;                                     // receive side
+  mutable std::mutex mutex_;                             // receive side
   std::vector<std::deque<Unexpected>> unexpected_;       // per source
   std::deque<RequestPtr> posted_;                        // in posting order
   std::vector<uint64_t> read_bytes_;                     // per source: ring tail
