@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" \
   | tee "$OUT/torch.txt"
@@ -17,7 +18,7 @@ if ! timeout 300 "$PY" -m pip install --no-build-isolation --no-deps -e . > "$OU
   echo "build failed; see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-timeout 120 "$PY" -m pytest -q tests/python/test_gpu.py tests/python/test_collectives.py \
+timeout 150 "$PY" -m pytest -v -rs tests/python/test_gpu.py tests/python/test_collectives.py \
   > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? (tail):"; tail -3 "$OUT/pytest.log"
 timeout 120 "$PY" benchmarks/gpu.py --json "$OUT/gpu_bench.json" | tee "$OUT/gpu_bench.txt"
