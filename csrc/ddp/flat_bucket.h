@@ -15,10 +15,10 @@ struct FlatBucket {
   std::vector<int64_t> lengths;
   at::Tensor flat;
 
-  // A zeroed buffer for tensors[members], with their dtype and device (all
-  // members must share them).
+  // A buffer for tensors[members], with their dtype and device (all members
+  // must share them). Zeroed unless the caller packs every member anyway.
   static FlatBucket make(const std::vector<at::Tensor>& tensors,
-                         std::vector<size_t> members);
+                         std::vector<size_t> members, bool zeroed = true);
 
   // The slice of member k, shaped like `like`.
   at::Tensor view(size_t k, const at::Tensor& like) const;

@@ -41,7 +41,7 @@ void fusedAllReduce(at::TensorList tensor_list, c10::string_view op,
   std::vector<FlatBucket> buckets;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (const auto& members : assignment) {
-    buckets.push_back(FlatBucket::make(tensors, members));
+    buckets.push_back(FlatBucket::make(tensors, members, /*zeroed=*/false));
     FlatBucket& b = buckets.back();
     b.pack(tensors);
     if (avg) b.flat.div_(group->getSize());

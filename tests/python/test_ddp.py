@@ -301,6 +301,8 @@ def _fused_body(rank, n):
         torch.full((7,), rank, dtype=torch.int64),
         torch.full((3, 3), 2.0 * rank, dtype=torch.float64),
         torch.full((50_000,), 1.0),
+        # Non-contiguous: packed and unpacked through its strides, in place.
+        (torch.arange(12.0).view(3, 4) * (rank + 1)).t(),
     ]
     dsparallel.fused_all_reduce(ts, op="sum", bucket_cap_mb=0.01)
     s = n * (n - 1) / 2
@@ -308,6 +310,8 @@ def _fused_body(rank, n):
     assert torch.equal(ts[1], torch.full((7,), int(s)))
     assert torch.equal(ts[2], torch.full((3, 3), 2 * s, dtype=torch.float64))
     assert torch.equal(ts[3], torch.full((50_000,), float(n)))
+    assert not ts[4].is_contiguous()
+    assert torch.equal(ts[4], (torch.arange(12.0).view(3, 4) * (n * (n + 1) / 2)).t())
     fs = [torch.full((5,), float(rank + 1)), torch.full((2, 2), 3.0 * (rank + 1))]
     dsparallel.fused_all_reduce(fs, op="avg")
     assert torch.allclose(fs[0], torch.full((5,), (n + 1) / 2))
