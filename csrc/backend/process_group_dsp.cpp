@@ -148,6 +148,18 @@ ProcessGroupDSP::~ProcessGroupDSP() {
   if (worker_.joinable()) worker_.join();
 }
 
+void ProcessGroupDSP::shutdown() {
+  if (shut_down_.exchange(true)) return;
+  for (auto* b : {cuda_.get(), p2p_.get(), topology_.inter.get()})
+    if (b) b->shutdown();
+}
+
+void ProcessGroupDSP::abort() {
+  if (shut_down_.exchange(true)) return;
+  for (auto* b : {cuda_.get(), p2p_.get(), topology_.inter.get()})
+    if (b) b->abort();
+}
+
 void ProcessGroupDSP::setTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
   comm_->setTimeout(timeout);

@@ -28,6 +28,7 @@
 // lazy per-device communicators, its watchdog and abort on error.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -97,6 +98,11 @@ class ProcessGroupDSP : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return comm_->sequenceNumber(); }
   bool supportsCoalescing() const override { return false; }
+  // destroy_process_group() and abort reach only the backends torch knows of:
+  // these pass them on to the ones this group owns (NCCL, gloo), so that
+  // NCCL's communicators are shut down (or aborted) before its destructor.
+  void shutdown() override;
+  void abort() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -204,7 +210,8 @@ class ProcessGroupDSP : public c10d::Backend {
   // GIL, and a non-Python thread taking the GIL while the interpreter exits
   // is terminated mid-destructor (the process aborts).
   std::vector<c10::intrusive_ptr<WorkDSP>> finished_;
-  bool running_ = false;  // some thread is executing a collective
+  std::atomic<bool> shut_down_{false};  // shutdown() or abort() passed on
+  bool running_ = false;                // some thread is executing a collective
   bool stop_ = false;
   std::thread worker_;
 };

@@ -107,3 +107,38 @@ def _tp_body(rank, world):
 
 def test_tensor_parallel_attention_on_cuda_matches_cpu():
     run_ranks(_tp_body, _world())
+
+
+_SHUTDOWN_SCRIPT = """
+import torch, torch.distributed as dist, dsparallel
+torch.cuda.set_device(0)
+dist.init_process_group("dsp", rank=0, world_size=1)
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+assert t.sum().item() == 4
+dist.destroy_process_group()
+print("done")
+"""
+
+
+def test_destroy_process_group_shuts_down_the_nccl_group_inside():
+    # destroy_process_group() reaches only "dsp"; the NCCL group it owns must
+    # be shut down through it, or NCCL warns at exit that it never was.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    r = subprocess.run(
+        [sys.executable, "-c", _SHUTDOWN_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr
+    assert "destroy_process_group() was not called" not in r.stderr, r.stderr
