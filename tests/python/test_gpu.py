@@ -85,6 +85,17 @@ def _ddp_body(rank, world):
     dsparallel.fused_all_reduce(ts, op="avg", group=on_cpu_group)
     for a, b in zip(gpu, ts):
         torch.testing.assert_close(a.cpu(), b)
+    # Enough tensors for several _foreach_copy_ launches per bucket, ragged
+    # sizes, an empty and a non-contiguous one, over two buckets.
+    g = torch.Generator().manual_seed(rank)
+    ts = [torch.randn(int(n), generator=g) for n in torch.randint(0, 3000, (300,))]
+    ts.append(torch.randn(40, 30, generator=g).t())
+    gpu = [t.cuda() for t in ts]
+    dsparallel.fused_all_reduce(gpu, op="sum", bucket_cap_mb=1.0)
+    dsparallel.fused_all_reduce(ts, op="sum", group=on_cpu_group)
+    assert not gpu[-1].is_contiguous()
+    for a, b in zip(gpu, ts):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
     return True
 
 
