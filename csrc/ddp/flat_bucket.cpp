@@ -32,7 +32,8 @@ at::Tensor FlatBucket::view(size_t k, const at::Tensor& like) const {
 
 // One _foreach_copy_ per direction: on a GPU it copies up to a hundred-odd
 // tensors per kernel launch, where a copy_ per tensor pays a launch each
-// (measured on an H200: 200 tensors went from 5.6 ms to ... ms).
+// (measured on an H200, benchmarks/gpu.py: 200 tensors, 105 MB, went from
+// 18.9 to 62.8 GB/s).
 void FlatBucket::pack(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> views, sources;
   views.reserve(members.size());
