@@ -18,7 +18,13 @@ slowest rank's mean time per call; the median round is printed.
 of ranks): "dsp" then runs hierarchically (shared memory within a host, gloo
 between hosts), against gloo flat over all ranks on the same layout. On one
 machine the "network" between the hosts is loopback TCP, the same that flat
-gloo uses.
+gloo uses: a memory copy, like the shared memory it is compared with.
+
+``--nodes 2 --link-mbit M`` puts each simulated host in its own network
+namespace (root and iproute2 needed), joined by a veth pair whose two
+directions are each limited to M Mbit/s (tc tbf; this kernel has no netem, so
+no added latency): the hosts then talk over a link that costs what a real one
+does, while each host's own ranks keep their loopback and shared memory.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -289,6 +296,72 @@ def _plot(rows, path):
     print(f"wrote {path}")
 
 
+def _ip(*args):
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"--link-mbit: ip {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+def _run_linked_hosts(n, args, sizes):
+    """Runs the n ranks as 2 hosts in 2 network namespaces joined by a veth
+    pair shaped by tc tbf; returns rank 0's rows."""
+    tag = uuid.uuid4().hex[:6]
+    ns, dev = [f"dspb{tag}{i}" for i in "ab"], [f"dvb{tag}{i}" for i in "ab"]
+    addr = ["10.231.9.1", "10.231.9.2"]
+    _ip("netns", "add", ns[0])
+    procs = []
+    try:
+        _ip("netns", "add", ns[1])
+        _ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in range(2):
+            _ip("link", "set", dev[i], "netns", ns[i])
+            _ip("-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", dev[i])
+            _ip("-n", ns[i], "link", "set", dev[i], "up")
+            _ip("-n", ns[i], "link", "set", "lo", "up")
+            # The bucket holds at least one timer tick (4 ms at HZ=250) of
+            # traffic, so that the rate, not the tick, is the limit.
+            burst = max(128 << 10, args.link_mbit * 1_000_000 // 8 // 250)
+            shape = ["rate", f"{args.link_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+            done = subprocess.run(
+                ["ip", "netns", "exec", ns[i], "tc", "qdisc", "add", "dev", dev[i], "root", "tbf"]
+                + shape,
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise SystemExit(f"--link-mbit: tc tbf failed: {done.stderr.strip()}")
+        port = str(20000 + int(tag, 16) % 20000)
+        for r in range(n):
+            host = r * 2 // n
+            cmd = ["ip", "netns", "exec", ns[host], sys.executable, os.path.abspath(__file__)]
+            cmd += ["--worlds", str(n), "--nodes", "2", "--collectives", *args.collectives]
+            cmd += ["--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--rank", str(r)]
+            env = dict(
+                os.environ,
+                MASTER_ADDR=addr[0],
+                MASTER_PORT=port,
+                GLOO_SOCKET_IFNAME=dev[host],
+            )
+            out = subprocess.PIPE if r == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, text=True))
+        rows = None
+        for line in procs[0].stdout:
+            if line.startswith("ROWS "):
+                rows = json.loads(line[5:])
+            else:
+                print(line, end="", flush=True)
+        for p in procs:
+            if p.wait() != 0:
+                raise SystemExit(f"--link-mbit: a rank exited with {p.returncode}")
+        return rows
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for name in ns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -299,18 +372,33 @@ def main():
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--no-mpi", action="store_true")
     ap.add_argument("--nodes", type=int, default=1, help="simulated hosts (DSP_NODE_ID)")
+    ap.add_argument("--link-mbit", type=int, help="with --nodes 2: hosts in network namespaces")
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # one rank of --link-mbit
     args = ap.parse_args()
     lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
     sizes = [s for s in DEFAULT_SIZES if lo <= s <= hi]
+    if args.rank is not None:
+        n = args.worlds[0]
+        os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
+        rows = _worker(args.rank, n, args.collectives, sizes, args.nodes)
+        if args.rank == 0:
+            print("ROWS " + json.dumps(rows), flush=True)
+        return
+    if args.link_mbit and args.nodes != 2:
+        raise SystemExit("--link-mbit needs --nodes 2 (one veth pair joins two hosts)")
 
     if args.nodes > 1:
-        print(f"{args.nodes} simulated hosts: hierarchical dsp against flat gloo")
+        link = f", joined by a {args.link_mbit} Mbit/s link" if args.link_mbit else " on loopback"
+        print(f"{args.nodes} simulated hosts{link}: hierarchical dsp against flat gloo")
     print(HEADER)
     rows = []
     for n in args.worlds:
         if n % args.nodes:
             raise SystemExit(f"--worlds {n} does not split into --nodes {args.nodes} hosts")
-        world_rows = run_ranks(_worker, n, args.collectives, sizes, args.nodes)
+        if args.link_mbit:
+            world_rows = _run_linked_hosts(n, args, sizes)
+        else:
+            world_rows = run_ranks(_worker, n, args.collectives, sizes, args.nodes)
         mpi_ok = args.nodes == 1 and not args.no_mpi and _mpi_available()
         if "all_reduce" in args.collectives and mpi_ok:
             mpi = _run_mpi(n, sizes)

@@ -95,7 +95,9 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName)
       .def_property_readonly("hierarchical", &dsparallel::ProcessGroupDSP::hierarchical)
-      .def_property_readonly("multi_host", &dsparallel::ProcessGroupDSP::multiHost);
+      .def_property_readonly("multi_host", &dsparallel::ProcessGroupDSP::multiHost)
+      .def_property_readonly("hierarchical_all_reduces",
+                             &dsparallel::ProcessGroupDSP::hierarchicalAllReduces);
 
   using ReducerPtr = std::unique_ptr<dsparallel::Reducer, DeleteWithoutGil>;
   py::class_<dsparallel::Reducer, ReducerPtr>(m, "Reducer")

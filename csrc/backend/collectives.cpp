@@ -100,7 +100,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
 // synchronisation for the lot instead of one per tensor.
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (auto* b = route(tensors, "all_reduce_coalesced"))
+  if (auto* b = route(tensors, "all_reduce_coalesced", /*across_hosts=*/!hierarchical()))
     return b->allreduce_coalesced(tensors, opts);
   TORCH_CHECK(!tensors.empty(), "dsp all_reduce_coalesced: no tensors given");
   for (const auto& t : tensors) {
@@ -116,6 +116,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
   info.shape = {total};
+  if (hierarchical()) {
+    // Across hosts: one flat buffer, so that the lot crosses the network as
+    // one hierarchical all-reduce (its slices split evenly among the host's
+    // ranks), not one per tensor.
+    return enqueue(c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
+                   [this, tensors, op = opts.reduceOp] {
+                     std::vector<at::Tensor> flat_views;
+                     for (const auto& t : tensors) flat_views.push_back(t.reshape({-1}));
+                     at::Tensor flat = at::cat(flat_views);
+                     hierarchicalAllReduce(flat, op);
+                     int64_t off = 0;
+                     for (const auto& t : tensors) {
+                       t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+                       off += t.numel();
+                     }
+                   });
+  }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
                  [this, tensors, info] {
                    // In place, tensor by tensor: no packing copy in or out

@@ -95,6 +95,7 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
     if (ragged) flat.narrow(0, off, len).copy_(buf.narrow(0, 0, len));
   }
   if (!data.is_same(t)) t.copy_(data);
+  ++hierarchical_all_reduces_;
 }
 
 }  // namespace dsparallel

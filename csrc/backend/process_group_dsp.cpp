@@ -98,10 +98,10 @@ c10d::Backend* ProcessGroupDSP::route(const at::Tensor& t, const char* what,
   return nullptr;
 }
 
-c10d::Backend* ProcessGroupDSP::route(const std::vector<at::Tensor>& ts,
-                                      const char* what) {
+c10d::Backend* ProcessGroupDSP::route(const std::vector<at::Tensor>& ts, const char* what,
+                                      bool across_hosts) {
   if (ts.empty()) return multiHost() ? &flat(what) : nullptr;
-  return route(ts[0], what);
+  return route(ts[0], what, across_hosts);
 }
 
 ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, int rank,

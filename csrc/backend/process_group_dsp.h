@@ -165,6 +165,9 @@ class ProcessGroupDSP : public c10d::Backend {
     return topology_.local_size > 0 && topology_.local_size != getSize();
   }
   bool hierarchical() const { return multiHost() && topology_.inter; }
+  // How many all-reduces (coalesced ones included) took the hierarchical
+  // path: which path ran is otherwise invisible, and tests assert it.
+  int64_t hierarchicalAllReduces() const { return hierarchical_all_reduces_.load(); }
 
  private:
   // recv (src_rank >= 0) and recvAnysource (-1): one routing for both.
@@ -186,7 +189,8 @@ class ProcessGroupDSP : public c10d::Backend {
   // does not: NCCL for CUDA tensors, the world gloo group across hosts
   // (unless `across_hosts` is false: all-reduce has its own path). Null: ours.
   c10d::Backend* route(const at::Tensor& t, const char* what, bool across_hosts = true);
-  c10d::Backend* route(const std::vector<at::Tensor>& ts, const char* what);
+  c10d::Backend* route(const std::vector<at::Tensor>& ts, const char* what,
+                       bool across_hosts = true);
   // Intra-host reduce-scatter, inter-host all-reduce of this rank's slice,
   // intra-host all-gather (hierarchical.cpp).
   void hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp op);
@@ -200,6 +204,7 @@ class ProcessGroupDSP : public c10d::Backend {
   Topology topology_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   int64_t hier_piece_bytes_ = 4 << 20;  // DSP_HIER_PIECE_BYTES
+  std::atomic<int64_t> hierarchical_all_reduces_{0};
 
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished

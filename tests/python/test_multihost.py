@@ -43,6 +43,16 @@ def _check_collectives(rank, world):
         f = _values(rank, n).double()
         dist.all_reduce(f, op=dist.ReduceOp.AVG)
         torch.testing.assert_close(f, torch.arange(n).double() * (world + 1) / 2)
+    # Coalesced: mixed shapes (one empty, one non-contiguous) and AVG.
+    ts = [_values(rank, 5), _values(rank, 12).view(3, 4).t(), _values(rank, 0), _values(rank, 1)]
+    dist.all_reduce_coalesced(ts)
+    total = sum(r + 1 for r in range(world))
+    assert torch.equal(ts[1], (torch.arange(12) * total).view(3, 4).t())
+    assert all(torch.equal(t.flatten(), torch.arange(t.numel()) * total) for t in ts[::2])
+    fs = [_values(rank, 7).double(), _values(rank, 3).double()]
+    dist.all_reduce_coalesced(fs, op=dist.ReduceOp.AVG)
+    for f in fs:
+        torch.testing.assert_close(f, torch.arange(f.numel()).double() * (world + 1) / 2)
     b = _values(rank, 10) if rank == 1 else torch.zeros(10, dtype=torch.int64)
     dist.broadcast(b, src=1)
     assert torch.equal(b, _values(1, 10))
@@ -69,6 +79,9 @@ def _two_hosts_body(rank, world, hosts_of, hierarchical):
     backend = _init_as_hosts(rank, hosts_of)
     assert backend.multi_host and backend.hierarchical == hierarchical
     _check_collectives(rank, world)
+    # Every all-reduce above, coalesced ones included, took the path expected:
+    # 6 sizes x 3 ops + 2 coalesced.
+    assert backend.hierarchical_all_reduces == (20 if hierarchical else 0)
     dist.destroy_process_group()
     return True
 
