@@ -73,12 +73,14 @@ PYBIND11_MODULE(_C, m) {
                        c10::intrusive_ptr<c10d::Backend> p2p, int local_rank,
                        int local_size, c10::intrusive_ptr<c10d::Backend> inter,
                        std::vector<int> host_ranks, std::vector<int> inter_ranks,
-                       int machine_ranks, c10::intrusive_ptr<c10d::Backend> cuda) {
+                       int machine_ranks, c10::intrusive_ptr<c10d::Backend> cuda,
+                       std::vector<std::vector<int>> hosts) {
              dsparallel::Topology topology{local_rank,
                                            local_size,
                                            std::move(inter),
                                            std::move(host_ranks),
                                            std::move(inter_ranks),
+                                           std::move(hosts),
                                            machine_ranks};
              return NoGilPtr<dsparallel::ProcessGroupDSP>(
                  c10::make_intrusive<dsparallel::ProcessGroupDSP>(
@@ -90,14 +92,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("local_size") = -1, py::arg("inter") = nullptr,
            py::arg("host_ranks") = std::vector<int>{},
            py::arg("inter_ranks") = std::vector<int>{}, py::arg("machine_ranks") = -1,
-           py::arg("cuda") = nullptr,
+           py::arg("cuda") = nullptr, py::arg("hosts") = std::vector<std::vector<int>>{},
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName)
       .def_property_readonly("hierarchical", &dsparallel::ProcessGroupDSP::hierarchical)
       .def_property_readonly("multi_host", &dsparallel::ProcessGroupDSP::multiHost)
-      .def_property_readonly("hierarchical_all_reduces",
-                             &dsparallel::ProcessGroupDSP::hierarchicalAllReduces);
+      .def_property_readonly("hierarchical_calls",
+                             &dsparallel::ProcessGroupDSP::hierarchicalCalls);
 
   using ReducerPtr = std::unique_ptr<dsparallel::Reducer, DeleteWithoutGil>;
   py::class_<dsparallel::Reducer, ReducerPtr>(m, "Reducer")

@@ -94,6 +94,7 @@ def _create_backend(dist_backend_opts, backend_options=None):
         inter_ranks=peers,
         machine_ranks=machine_ranks,
         cuda=cuda,
+        hosts=list(members.values()),
     )
 
 

@@ -153,9 +153,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
     std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
-  if (auto* b = route(tensors, "broadcast")) return b->broadcast(tensors, opts);
+  if (auto* b = route(tensors, "broadcast", /*across_hosts=*/!hierarchical()))
+    return b->broadcast(tensors, opts);
   const at::Tensor& t = single(tensors, "broadcast");
   checkRoot(opts.rootRank, getSize(), "broadcast");
+  if (hierarchical()) {
+    checkedDType(t, "broadcast");
+    return enqueue(c10d::OpType::BROADCAST, nullptr, tensors,
+                   [this, t, root = static_cast<int>(opts.rootRank)] {
+                     hierarchicalBroadcast(t, root);
+                   });
+  }
   auto info = callInfo(Collective::kBroadcast, t, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
   return enqueue(c10d::OpType::BROADCAST, nullptr, tensors, [this, t, info] {
@@ -184,13 +192,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto* b = route(inputs, "all_gather")) return b->allgather(outputs, inputs, opts);
+  if (auto* b = route(inputs, "all_gather", /*across_hosts=*/!hierarchical()))
+    return b->allgather(outputs, inputs, opts);
   const at::Tensor& in = single(inputs, "all_gather");
   TORCH_CHECK(outputs.size() == 1, "dsp all_gather: expects one output list");
   checkListSize(outputs[0].size(), getSize(), "all_gather", "the output list");
   checkSameAs(outputs[0], in, "all_gather");
   auto info = callInfo(Collective::kAllGather, in);
   auto outs = outputs[0];
+  if (hierarchical()) {
+    return enqueue(c10d::OpType::ALLGATHER, nullptr, outs,
+                   [this, in, outs] { hierarchicalAllGather(in, outs); });
+  }
   return enqueue(c10d::OpType::ALLGATHER, nullptr, outs, [this, in, outs, info] {
     Staged src(in);
     auto staged = stageAll(outs);
@@ -202,8 +215,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  if (auto* b = route(input, "all_gather_into_tensor"))
+  if (auto* b =
+          route(input, "all_gather_into_tensor", /*across_hosts=*/!hierarchical())) {
+    if (b != cuda_.get() && output.is_contiguous() && input.dim() > 0 &&
+        output.numel() == input.numel() * getSize()) {
+      // torch allows a stacked output, (size, *input.shape); gloo takes only
+      // the concatenated one, (size * input.shape[0], ...): the same memory.
+      std::vector<int64_t> shape = input.sizes().vec();
+      shape[0] *= getSize();
+      at::Tensor concatenated = output.view(shape);
+      return b->_allgather_base(concatenated, input, opts);
+    }
     return b->_allgather_base(output, input, opts);
+  }
   checkedDType(output, "all_gather_into_tensor");
   TORCH_CHECK(output.scalar_type() == input.scalar_type() &&
                   output.numel() == input.numel() * getSize(),
@@ -211,6 +235,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
               " with ", input.numel() * getSize(), " elements (group size ", getSize(),
               " x input ", input.sizes(), "), got ", output.scalar_type(), " ",
               output.sizes());
+  if (hierarchical()) {
+    return enqueue(c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
+                   [this, input, output] {
+                     hierarchicalAllGather(input, output.view({getSize(), -1}).unbind(0));
+                   });
+  }
   auto info = callInfo(Collective::kAllGather, input);
   return enqueue(c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
                  [this, input, output, info] {

@@ -10,6 +10,11 @@
 //   3. all-gathers the slices within the host over shared memory.
 // AVG is summed in both stages and each slice divided by the world size once,
 // before the all-gather.
+//
+// Broadcast and all-gather are hierarchical too, for the same reason: every
+// byte crosses the network once per remote host, where gloo's flat versions
+// send it over several ring or tree edges that span hosts (benchmarks/
+// collectives.py --nodes 2 --link-mbit M measures both on a shaped link).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -95,7 +100,73 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
     if (ragged) flat.narrow(0, off, len).copy_(buf.narrow(0, 0, len));
   }
   if (!data.is_same(t)) t.copy_(data);
-  ++hierarchical_all_reduces_;
+  ++hierarchical_calls_;
+}
+
+std::vector<int> ProcessGroupDSP::interGroupOf(int local) const {
+  std::vector<int> ranks;
+  for (const auto& host : topology_.hosts) ranks.push_back(host.at(local));
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+void ProcessGroupDSP::hierarchicalBroadcast(const at::Tensor& t, int root) {
+  int root_local = -1;
+  for (const auto& host : topology_.hosts) {
+    auto it = std::find(host.begin(), host.end(), root);
+    if (it != host.end()) root_local = static_cast<int>(it - host.begin());
+  }
+  TORCH_INTERNAL_ASSERT(root_local >= 0, "broadcast root ", root, " is on no host");
+  ++hierarchical_calls_;
+  Staged s(t);
+  if (s.bytes() == 0) return;
+  if (topology_.local_rank == root_local) {
+    const auto& peers = topology_.inter_ranks;
+    stage("between hosts", peers, [&] {
+      // The staged buffer: the host's broadcast below hands it on.
+      std::vector<at::Tensor> across = {s.tensor()};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = static_cast<int64_t>(std::find(peers.begin(), peers.end(), root) -
+                                           peers.begin());
+      topology_.inter->broadcast(across, opts)->wait();
+    });
+  }
+  stage("within this host", topology_.host_ranks, [&] {
+    comm_->broadcast(
+        s.ptr(), s.bytes(),
+        callInfo(dsp::Collective::kBroadcast, t, dsp::ReduceOp::kSum, root_local));
+  });
+  s.copyBack();
+}
+
+void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
+                                            const std::vector<at::Tensor>& outs) {
+  const int hosts = static_cast<int>(topology_.hosts.size());
+  const int local = topology_.local_size;
+  const int64_t m = in.numel();
+  ++hierarchical_calls_;
+  if (m == 0) return;
+  at::Tensor mine = in.contiguous().view({-1});
+  // 1. Across hosts: the inputs of this rank's inter group, in its rank order.
+  at::Tensor across = at::empty({hosts, m}, in.options());
+  stage("between hosts", topology_.inter_ranks, [&] {
+    std::vector<std::vector<at::Tensor>> gathered = {across.unbind(0)};
+    std::vector<at::Tensor> input = {mine};
+    topology_.inter->allgather(gathered, input)->wait();
+  });
+  // 2. Within the host: every local rank's block, so all inputs are here.
+  at::Tensor all = at::empty({local, hosts, m}, in.options());
+  std::vector<void*> blocks(local);
+  for (int j = 0; j < local; ++j) blocks[j] = all[j].data_ptr();
+  stage("within this host", topology_.host_ranks, [&] {
+    comm_->allGather(across.data_ptr(), across.nbytes(), blocks.data(),
+                     callInfo(dsp::Collective::kAllGather, across));
+  });
+  for (int j = 0; j < local; ++j) {
+    const std::vector<int> group = interGroupOf(j);
+    for (int h = 0; h < hosts; ++h)
+      outs[group[h]].copy_(all[j][h].view(outs[group[h]].sizes()));
+  }
 }
 
 }  // namespace dsparallel

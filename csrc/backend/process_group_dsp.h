@@ -78,6 +78,9 @@ struct Topology {
   // Global ranks of this host (in local order) and of `inter`, for messages.
   std::vector<int> host_ranks;
   std::vector<int> inter_ranks;
+  // Every host's global ranks (host order, each in rank order): where any
+  // rank sits, for the collectives with a root or a per-rank layout.
+  std::vector<std::vector<int>> hosts;
   // Ranks of the group on this physical machine (several simulated hosts
   // may share it); -1: unknown.
   int machine_ranks = -1;
@@ -165,9 +168,10 @@ class ProcessGroupDSP : public c10d::Backend {
     return topology_.local_size > 0 && topology_.local_size != getSize();
   }
   bool hierarchical() const { return multiHost() && topology_.inter; }
-  // How many all-reduces (coalesced ones included) took the hierarchical
-  // path: which path ran is otherwise invisible, and tests assert it.
-  int64_t hierarchicalAllReduces() const { return hierarchical_all_reduces_.load(); }
+  // How many collectives took a hierarchical path (all-reduce, coalesced
+  // too, broadcast, all-gather): which path ran is otherwise invisible, and
+  // tests assert it.
+  int64_t hierarchicalCalls() const { return hierarchical_calls_.load(); }
 
  private:
   // recv (src_rank >= 0) and recvAnysource (-1): one routing for both.
@@ -194,6 +198,15 @@ class ProcessGroupDSP : public c10d::Backend {
   // Intra-host reduce-scatter, inter-host all-reduce of this rank's slice,
   // intra-host all-gather (hierarchical.cpp).
   void hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp op);
+  // The root's peers (same local index) broadcast across hosts, then each
+  // host broadcasts over shared memory.
+  void hierarchicalBroadcast(const at::Tensor& t, int root);
+  // Each rank gathers its inter group's inputs across hosts, then the host
+  // all-gathers those blocks over shared memory; outs[r] receives rank r's.
+  void hierarchicalAllGather(const at::Tensor& in, const std::vector<at::Tensor>& outs);
+  // The global ranks with local index `local` on every host, ascending: the
+  // members of that index's inter group, in that group's rank order.
+  std::vector<int> interGroupOf(int local) const;
   // Pops and runs the next queued work if no other thread is running one.
   // Called and returns with `lock` held.
   bool runOne(std::unique_lock<std::mutex>& lock);
@@ -204,7 +217,7 @@ class ProcessGroupDSP : public c10d::Backend {
   Topology topology_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   int64_t hier_piece_bytes_ = 4 << 20;  // DSP_HIER_PIECE_BYTES
-  std::atomic<int64_t> hierarchical_all_reduces_{0};
+  std::atomic<int64_t> hierarchical_calls_{0};
 
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished

@@ -38,6 +38,7 @@ class Staged {
   void* ptr() const { return data_.data_ptr(); }
   size_t bytes() const { return data_.nbytes(); }
   size_t count() const { return static_cast<size_t>(data_.numel()); }
+  const at::Tensor& tensor() const { return data_; }
   void copyBack() {
     if (!data_.is_same(original_)) original_.copy_(data_);
   }

@@ -53,12 +53,23 @@ def _check_collectives(rank, world):
     dist.all_reduce_coalesced(fs, op=dist.ReduceOp.AVG)
     for f in fs:
         torch.testing.assert_close(f, torch.arange(f.numel()).double() * (world + 1) / 2)
-    b = _values(rank, 10) if rank == 1 else torch.zeros(10, dtype=torch.int64)
-    dist.broadcast(b, src=1)
-    assert torch.equal(b, _values(1, 10))
-    outs = [torch.empty(5, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(outs, _values(rank, 5))
-    assert all(torch.equal(o, _values(r, 5)) for r, o in enumerate(outs))
+    for root in range(world):  # every root, hence every local index and host
+        for n in (0, 10, 300_001):
+            b = _values(rank, n) if rank == root else torch.zeros(n, dtype=torch.int64)
+            dist.broadcast(b, src=root)
+            assert torch.equal(b, _values(root, n)), (root, n)
+    b = torch.zeros(4, 3, dtype=torch.float64).t()  # non-contiguous
+    if rank == world - 1:
+        b.copy_(torch.arange(12.0, dtype=torch.float64).view(3, 4))
+    dist.broadcast(b, src=world - 1)
+    assert torch.equal(b, torch.arange(12.0, dtype=torch.float64).view(3, 4))
+    for n in (0, 5, 100_003):
+        outs = [torch.empty(n, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(outs, _values(rank, n))
+        assert all(torch.equal(o, _values(r, n)) for r, o in enumerate(outs)), n
+    out = torch.empty(world, 2, 3)
+    dist.all_gather_into_tensor(out, torch.full((2, 3), float(rank)))
+    assert torch.equal(out, torch.arange(float(world)).view(-1, 1, 1).expand(-1, 2, 3))
     out = torch.empty(3, dtype=torch.int64)
     dist.reduce_scatter_tensor(out, _values(rank, 3 * world))
     want = sum(_values(r, 3 * world) for r in range(world))[3 * rank : 3 * rank + 3]
@@ -79,15 +90,19 @@ def _two_hosts_body(rank, world, hosts_of, hierarchical):
     backend = _init_as_hosts(rank, hosts_of)
     assert backend.multi_host and backend.hierarchical == hierarchical
     _check_collectives(rank, world)
-    # Every all-reduce above, coalesced ones included, took the path expected:
-    # 6 sizes x 3 ops + 2 coalesced.
-    assert backend.hierarchical_all_reduces == (20 if hierarchical else 0)
+    # Every all-reduce (6 sizes x 3 ops + 2 coalesced), broadcast (3 sizes
+    # from each root + 1) and all-gather (3 + 1) above took the path expected.
+    calls = 20 + 3 * world + 1 + 4
+    assert backend.hierarchical_calls == (calls if hierarchical else 0)
     dist.destroy_process_group()
     return True
 
 
-def test_two_hosts_of_two_ranks_hierarchical():
-    run_ranks(_two_hosts_body, 4, [0, 0, 1, 1], True, init=False)
+@pytest.mark.parametrize("hosts_of", [[0, 0, 1, 1], [0, 1, 1, 0]])
+def test_two_hosts_of_two_ranks_hierarchical(hosts_of):
+    # Interleaved hosts: the local indices and inter groups do not follow
+    # rank order, which broadcast's root and all-gather's layout must respect.
+    run_ranks(_two_hosts_body, 4, hosts_of, True, init=False)
 
 
 def test_unequal_hosts_fall_back_to_flat():
