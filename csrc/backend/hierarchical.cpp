@@ -147,26 +147,40 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
   ++hierarchical_calls_;
   if (m == 0) return;
   at::Tensor mine = in.contiguous().view({-1});
-  // 1. Across hosts: the inputs of this rank's inter group, in its rank order.
-  at::Tensor across = at::empty({hosts, m}, in.options());
-  stage("between hosts", topology_.inter_ranks, [&] {
-    std::vector<std::vector<at::Tensor>> gathered = {across.unbind(0)};
-    std::vector<at::Tensor> input = {mine};
-    topology_.inter->allgather(gathered, input)->wait();
-  });
-  // 2. Within the host: every local rank's block, so all inputs are here.
-  at::Tensor all = at::empty({local, hosts, m}, in.options());
-  std::vector<void*> blocks(local);
-  for (int j = 0; j < local; ++j) blocks[j] = all[j].data_ptr();
-  stage("within this host", topology_.host_ranks, [&] {
-    comm_->allGather(across.data_ptr(), across.nbytes(), blocks.data(),
-                     callInfo(dsp::Collective::kAllGather, across));
-  });
-  for (int j = 0; j < local; ++j) {
-    const std::vector<int> group = interGroupOf(j);
-    for (int h = 0; h < hosts; ++h)
-      outs[group[h]].copy_(all[j][h].view(outs[group[h]].sizes()));
+  std::vector<Staged> staged = stageAll(outs);
+  std::vector<at::Tensor> flat_outs;
+  for (const auto& s : staged) flat_outs.push_back(s.tensor().view({-1}));
+  std::vector<std::vector<int>> groups;  // groups[j]: local index j's ranks
+  for (int j = 0; j < local; ++j) groups.push_back(interGroupOf(j));
+  // Pieces, as in all-reduce: the network stage of one is followed at once
+  // by its shared-memory stage, and the staging buffers stay small.
+  const int64_t piece =
+      std::min(m, std::max<int64_t>(1, hier_piece_bytes_ / in.element_size() / hosts));
+  at::Tensor across_buf = at::empty({hosts * piece}, in.options());
+  at::Tensor all_buf = at::empty({local * hosts * piece}, in.options());
+  for (int64_t off = 0; off < m; off += piece) {
+    const int64_t len = std::min(piece, m - off);
+    // 1. Across hosts: this piece of the inputs of this rank's inter group,
+    //    in that group's rank order.
+    at::Tensor across = across_buf.narrow(0, 0, hosts * len).view({hosts, len});
+    stage("between hosts", topology_.inter_ranks, [&] {
+      std::vector<std::vector<at::Tensor>> gathered = {across.unbind(0)};
+      std::vector<at::Tensor> input = {mine.narrow(0, off, len)};
+      topology_.inter->allgather(gathered, input)->wait();
+    });
+    // 2. Within the host: every local rank's block, so all inputs are here.
+    at::Tensor all = all_buf.narrow(0, 0, local * hosts * len).view({local, hosts, len});
+    std::vector<void*> blocks(local);
+    for (int j = 0; j < local; ++j) blocks[j] = all[j].data_ptr();
+    stage("within this host", topology_.host_ranks, [&] {
+      comm_->allGather(across.data_ptr(), across.nbytes(), blocks.data(),
+                       callInfo(dsp::Collective::kAllGather, across));
+    });
+    for (int j = 0; j < local; ++j)
+      for (int h = 0; h < hosts; ++h)
+        flat_outs[groups[j][h]].narrow(0, off, len).copy_(all[j][h]);
   }
+  for (auto& s : staged) s.copyBack();
 }
 
 }  // namespace dsparallel

@@ -63,10 +63,13 @@ def _check_collectives(rank, world):
         b.copy_(torch.arange(12.0, dtype=torch.float64).view(3, 4))
     dist.broadcast(b, src=world - 1)
     assert torch.equal(b, torch.arange(12.0, dtype=torch.float64).view(3, 4))
-    for n in (0, 5, 100_003):
+    for n in (0, 5, 600_001):  # the last: several 4 MiB pieces, ragged
         outs = [torch.empty(n, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(outs, _values(rank, n))
         assert all(torch.equal(o, _values(r, n)) for r, o in enumerate(outs)), n
+    outs = [torch.empty(4, 3, dtype=torch.int64).t() for _ in range(world)]  # non-contiguous
+    dist.all_gather(outs, _values(rank, 12).view(3, 4))
+    assert all(torch.equal(o, _values(r, 12).view(3, 4)) for r, o in enumerate(outs))
     out = torch.empty(world, 2, 3)
     dist.all_gather_into_tensor(out, torch.full((2, 3), float(rank)))
     assert torch.equal(out, torch.arange(float(world)).view(-1, 1, 1).expand(-1, 2, 3))
@@ -91,8 +94,8 @@ def _two_hosts_body(rank, world, hosts_of, hierarchical):
     assert backend.multi_host and backend.hierarchical == hierarchical
     _check_collectives(rank, world)
     # Every all-reduce (6 sizes x 3 ops + 2 coalesced), broadcast (3 sizes
-    # from each root + 1) and all-gather (3 + 1) above took the path expected.
-    calls = 20 + 3 * world + 1 + 4
+    # from each root + 1) and all-gather (3 + 1 + 1) above took the path expected.
+    calls = 20 + 3 * world + 1 + 5
     assert backend.hierarchical_calls == (calls if hierarchical else 0)
     dist.destroy_process_group()
     return True
