@@ -152,33 +152,47 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
   for (const auto& s : staged) flat_outs.push_back(s.tensor().view({-1}));
   std::vector<std::vector<int>> groups;  // groups[j]: local index j's ranks
   for (int j = 0; j < local; ++j) groups.push_back(interGroupOf(j));
-  // Pieces, as in all-reduce: the network stage of one is followed at once
-  // by its shared-memory stage, and the staging buffers stay small.
+  // Pieces, double-buffered: piece k+1 crosses the network (on gloo's
+  // thread) while piece k is all-gathered within the host, so the link does
+  // not idle during the shared-memory stage; the staging stays small.
   const int64_t piece =
       std::min(m, std::max<int64_t>(1, hier_piece_bytes_ / in.element_size() / hosts));
-  at::Tensor across_buf = at::empty({hosts * piece}, in.options());
+  at::Tensor across_bufs[2] = {at::empty({hosts * piece}, in.options()),
+                               at::empty({hosts * piece}, in.options())};
   at::Tensor all_buf = at::empty({local * hosts * piece}, in.options());
-  for (int64_t off = 0; off < m; off += piece) {
-    const int64_t len = std::min(piece, m - off);
-    // 1. Across hosts: this piece of the inputs of this rank's inter group,
-    //    in that group's rank order.
-    at::Tensor across = across_buf.narrow(0, 0, hosts * len).view({hosts, len});
+  const int64_t pieces = (m + piece - 1) / piece;
+  auto length = [&](int64_t k) { return std::min(piece, m - k * piece); };
+  auto across = [&](int64_t k) {
+    return across_bufs[k % 2].narrow(0, 0, hosts * length(k)).view({hosts, length(k)});
+  };
+  // 1. Across hosts: piece k of the inputs of this rank's inter group, in
+  //    that group's rank order.
+  auto launch = [&](int64_t k) {
+    c10::intrusive_ptr<c10d::Work> work;
     stage("between hosts", topology_.inter_ranks, [&] {
-      std::vector<std::vector<at::Tensor>> gathered = {across.unbind(0)};
-      std::vector<at::Tensor> input = {mine.narrow(0, off, len)};
-      topology_.inter->allgather(gathered, input)->wait();
+      std::vector<std::vector<at::Tensor>> gathered = {across(k).unbind(0)};
+      std::vector<at::Tensor> input = {mine.narrow(0, k * piece, length(k))};
+      work = topology_.inter->allgather(gathered, input);
     });
+    return work;
+  };
+  c10::intrusive_ptr<c10d::Work> next = launch(0);
+  for (int64_t k = 0; k < pieces; ++k) {
+    stage("between hosts", topology_.inter_ranks, [&] { next->wait(); });
+    if (k + 1 < pieces) next = launch(k + 1);
     // 2. Within the host: every local rank's block, so all inputs are here.
+    const int64_t len = length(k);
+    at::Tensor block = across(k);
     at::Tensor all = all_buf.narrow(0, 0, local * hosts * len).view({local, hosts, len});
     std::vector<void*> blocks(local);
     for (int j = 0; j < local; ++j) blocks[j] = all[j].data_ptr();
     stage("within this host", topology_.host_ranks, [&] {
-      comm_->allGather(across.data_ptr(), across.nbytes(), blocks.data(),
-                       callInfo(dsp::Collective::kAllGather, across));
+      comm_->allGather(block.data_ptr(), block.nbytes(), blocks.data(),
+                       callInfo(dsp::Collective::kAllGather, block));
     });
     for (int j = 0; j < local; ++j)
       for (int h = 0; h < hosts; ++h)
-        flat_outs[groups[j][h]].narrow(0, off, len).copy_(all[j][h]);
+        flat_outs[groups[j][h]].narrow(0, k * piece, len).copy_(all[j][h]);
   }
   for (auto& s : staged) s.copyBack();
 }
