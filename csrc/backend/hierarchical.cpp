@@ -59,46 +59,72 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
   at::Tensor data = t.contiguous();
   at::Tensor flat = data.view({-1});
   const int64_t n = flat.numel();
-  // Pieces go through all three stages one after the other while they are
-  // still in cache; a multiple of the host's ranks, so that only the last
-  // piece can be ragged.
+  // Pieces, a multiple of the host's ranks so that only the last can be
+  // ragged, double-buffered: piece k+1 is reduce-scattered within the host
+  // while piece k crosses the network on gloo's thread, and piece k is
+  // all-gathered once it is back. The link does not idle during the
+  // shared-memory stages, and every rank issues them in the same order.
   const int64_t piece =
       std::max<int64_t>(local, hier_piece_bytes_ / t.element_size() / local * local);
-  for (int64_t off = 0; off < std::max<int64_t>(n, 1); off += piece) {
-    const int64_t len = std::min(piece, n - off);
-    const int64_t per =
-        (len + local - 1) / local;  // slice length; a ragged tail is padded
-    const size_t slice_bytes = static_cast<size_t>(per) * t.element_size();
-    const bool ragged = len % local != 0;
-    at::Tensor buf =
-        ragged ? at::zeros({local * per}, t.options()) : flat.narrow(0, off, len);
-    if (ragged) buf.narrow(0, 0, len).copy_(flat.narrow(0, off, len));
-    at::Tensor slice = at::empty({per}, t.options());
-    char* base = static_cast<char*>(buf.data_ptr());
+  const int64_t pieces = std::max<int64_t>(1, (n + piece - 1) / piece);
+  const int64_t per_max = std::min(piece, (n + local - 1) / local * local) / local;
+  at::Tensor slice_bufs[2] = {at::empty({per_max}, t.options()),
+                              at::empty({per_max}, t.options())};
+  struct Piece {
+    int64_t off, len, per;
+    bool ragged;  // buf is a padded copy, not the piece itself
+    at::Tensor buf, slice;
+    c10::intrusive_ptr<c10d::Work> across;
+  };
+  // 1. Within the host, then 2. across hosts (launched, not waited).
+  auto start = [&](int64_t k) {
+    Piece p;
+    p.off = k * piece;
+    p.len = std::min(piece, n - p.off);
+    p.per = (p.len + local - 1) / local;  // slice length; a ragged tail is padded
+    p.ragged = p.len % local != 0;
+    p.buf =
+        p.ragged ? at::zeros({local * p.per}, t.options()) : flat.narrow(0, p.off, p.len);
+    if (p.ragged) p.buf.narrow(0, 0, p.len).copy_(flat.narrow(0, p.off, p.len));
+    p.slice = slice_bufs[k % 2].narrow(0, 0, p.per);
+    const size_t slice_bytes = static_cast<size_t>(p.per) * t.element_size();
     std::vector<const void*> ins(local);
-    std::vector<void*> outs(local);
-    for (int i = 0; i < local; ++i) ins[i] = outs[i] = base + i * slice_bytes;
-
-    // 1. Within the host.
+    for (int i = 0; i < local; ++i)
+      ins[i] = static_cast<char*>(p.buf.data_ptr()) + i * slice_bytes;
     stage("within this host", topology_.host_ranks, [&] {
-      comm_->reduceScatter(ins.data(), slice.data_ptr(), static_cast<size_t>(per),
-                           callInfo(dsp::Collective::kReduceScatter, slice, intra_op));
+      comm_->reduceScatter(ins.data(), p.slice.data_ptr(), static_cast<size_t>(p.per),
+                           callInfo(dsp::Collective::kReduceScatter, p.slice, intra_op));
     });
-    // 2. Across hosts, this rank's slice.
     stage("between hosts", topology_.inter_ranks, [&] {
-      std::vector<at::Tensor> across = {slice};
+      std::vector<at::Tensor> across = {p.slice};
       c10d::AllreduceOptions opts;
       opts.reduceOp = combine;
-      topology_.inter->allreduce(across, opts)->wait();
+      p.across = topology_.inter->allreduce(across, opts);
     });
-    if (avg) slice.div_(getSize());  // on 1/L of the data, before it spreads
-    // 3. Within the host again.
+    return p;
+  };
+  // 3. Within the host again, once the piece is back from the network.
+  auto finish = [&](Piece& p) {
+    stage("between hosts", topology_.inter_ranks, [&] { p.across->wait(); });
+    if (avg) p.slice.div_(getSize());  // on 1/L of the data, before it spreads
+    const size_t slice_bytes = static_cast<size_t>(p.per) * t.element_size();
+    std::vector<void*> outs(local);
+    for (int i = 0; i < local; ++i)
+      outs[i] = static_cast<char*>(p.buf.data_ptr()) + i * slice_bytes;
     stage("within this host", topology_.host_ranks, [&] {
-      comm_->allGather(slice.data_ptr(), slice_bytes, outs.data(),
-                       callInfo(dsp::Collective::kAllGather, slice, dsp::ReduceOp::kSum));
+      comm_->allGather(
+          p.slice.data_ptr(), slice_bytes, outs.data(),
+          callInfo(dsp::Collective::kAllGather, p.slice, dsp::ReduceOp::kSum));
     });
-    if (ragged) flat.narrow(0, off, len).copy_(buf.narrow(0, 0, len));
+    if (p.ragged) flat.narrow(0, p.off, p.len).copy_(p.buf.narrow(0, 0, p.len));
+  };
+  Piece in_flight = start(0);
+  for (int64_t k = 1; k < pieces; ++k) {
+    Piece next = start(k);
+    finish(in_flight);
+    in_flight = std::move(next);
   }
+  finish(in_flight);
   if (!data.is_same(t)) t.copy_(data);
   ++hierarchical_calls_;
 }
