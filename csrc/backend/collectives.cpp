@@ -258,7 +258,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto* b = route(inputs, "all_gather_coalesced"))
+  if (auto* b = route(inputs, "all_gather_coalesced", /*across_hosts=*/!hierarchical()))
     return b->allgather_coalesced(outputs, inputs, opts);
   TORCH_CHECK(outputs.size() == inputs.size(),
               "dsp all_gather_coalesced: ", outputs.size(), " output lists for ",
@@ -276,7 +276,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto* b = route(inputs, "all_gather_into_tensor_coalesced")) {
+  if (auto* b = route(inputs, "all_gather_into_tensor_coalesced",
+                      /*across_hosts=*/!hierarchical())) {
     return b->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
@@ -331,7 +332,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto* b = route(outputs, "reduce_scatter"))
+  if (auto* b = route(outputs, "reduce_scatter", /*across_hosts=*/!hierarchical()))
     return b->reduce_scatter(outputs, inputs, opts);
   const at::Tensor& out = single(outputs, "reduce_scatter");
   TORCH_CHECK(inputs.size() == 1, "dsp reduce_scatter: expects one input list");
@@ -341,6 +342,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
   auto info = callInfo(Collective::kReduceScatter, out,
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter"));
   auto ins = inputs[0];
+  if (hierarchical()) {
+    return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs,
+                   [this, out, ins, op = opts.reduceOp] {
+                     hierarchicalReduceScatter(ins, out, op);
+                   });
+  }
   return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs, [this, out, ins, info] {
     auto staged = stageAll(ins);
     std::vector<const void*> ptrs;
@@ -353,7 +360,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  if (auto* b = route(input, "reduce_scatter_tensor"))
+  if (auto* b = route(input, "reduce_scatter_tensor", /*across_hosts=*/!hierarchical()))
     return b->_reduce_scatter_base(output, input, opts);
   const auto dt = checkedDType(output, "reduce_scatter_tensor");
   TORCH_CHECK(input.scalar_type() == output.scalar_type() &&
@@ -364,6 +371,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
               input.sizes());
   auto info = callInfo(Collective::kReduceScatter, output,
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter_tensor"));
+  if (hierarchical()) {
+    return enqueue(
+        c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
+        [this, input, output, op = opts.reduceOp] {
+          hierarchicalReduceScatter(input.reshape({getSize(), -1}).unbind(0), output, op);
+        });
+  }
   return enqueue(
       c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output}, [this, input, output, info] {
         Staged src(input);
@@ -380,7 +394,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (auto* b = route(inputs, "reduce_scatter_tensor_coalesced")) {
+  if (auto* b = route(inputs, "reduce_scatter_tensor_coalesced",
+                      /*across_hosts=*/!hierarchical())) {
     return b->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),

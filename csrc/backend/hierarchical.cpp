@@ -11,10 +11,11 @@
 // AVG is summed in both stages and each slice divided by the world size once,
 // before the all-gather.
 //
-// Broadcast and all-gather are hierarchical too, for the same reason: every
-// byte crosses the network once per remote host, where gloo's flat versions
-// send it over several ring or tree edges that span hosts (benchmarks/
-// collectives.py --nodes 2 --link-mbit M measures both on a shaped link).
+// Broadcast, all-gather and reduce-scatter are hierarchical too, for the
+// same reason: every byte crosses the network once per remote host, where
+// gloo's flat versions send it over several ring or tree edges that span
+// hosts (benchmarks/collectives.py --nodes 2 --link-mbit M measures them on a
+// shaped link).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -221,6 +222,67 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
         flat_outs[groups[j][h]].narrow(0, k * piece, len).copy_(all[j][h]);
   }
   for (auto& s : staged) s.copyBack();
+}
+
+void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& chunks,
+                                                const at::Tensor& out,
+                                                c10d::ReduceOp op) {
+  const bool avg = op == c10d::ReduceOp::AVG;
+  const c10d::ReduceOp combine = avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+  const auto dtype = checkedDType(out, "reduce_scatter");
+  const dsp::ReduceOp intra_op = checkedReduceOp(combine, dtype, "reduce_scatter");
+  const int hosts = static_cast<int>(topology_.hosts.size());
+  const int local = topology_.local_size;
+  const int64_t m = out.numel();
+  ++hierarchical_calls_;
+  if (m == 0) return;
+  std::vector<at::Tensor> flat_chunks;
+  for (const auto& c : chunks) flat_chunks.push_back(c.reshape({-1}));
+  Staged dst(out);
+  at::Tensor flat_out = dst.tensor().view({-1});
+  std::vector<std::vector<int>> groups;  // groups[j]: local index j's ranks
+  for (int j = 0; j < local; ++j) groups.push_back(interGroupOf(j));
+  // Pieces of every chunk, double-buffered as in all-gather: piece k+1 is
+  // reduced within the host while piece k is reduce-scattered across hosts.
+  const int64_t piece = std::min(
+      m, std::max<int64_t>(1, hier_piece_bytes_ / out.element_size() / hosts / local));
+  const int64_t pieces = (m + piece - 1) / piece;
+  auto length = [&](int64_t k) { return std::min(piece, m - k * piece); };
+  at::Tensor ordered = at::empty({local * hosts * piece}, out.options());
+  at::Tensor host_sums[2] = {at::empty({hosts * piece}, out.options()),
+                             at::empty({hosts * piece}, out.options())};
+  c10::intrusive_ptr<c10d::Work> in_flight;
+  for (int64_t k = 0; k < pieces; ++k) {
+    const int64_t off = k * piece, len = length(k);
+    // 1. Within the host. The chunks in the order the reduce-scatter splits
+    //    them: local rank j's block holds its inter group's chunks.
+    at::Tensor blocks =
+        ordered.narrow(0, 0, local * hosts * len).view({local, hosts, len});
+    for (int j = 0; j < local; ++j)
+      for (int h = 0; h < hosts; ++h)
+        blocks[j][h].copy_(flat_chunks[groups[j][h]].narrow(0, off, len));
+    std::vector<const void*> ins(local);
+    for (int j = 0; j < local; ++j) ins[j] = blocks[j].data_ptr();
+    at::Tensor host_sum = host_sums[k % 2].narrow(0, 0, hosts * len);
+    stage("within this host", topology_.host_ranks, [&] {
+      comm_->reduceScatter(ins.data(), host_sum.data_ptr(),
+                           static_cast<size_t>(hosts * len),
+                           callInfo(dsp::Collective::kReduceScatter, host_sum, intra_op));
+    });
+    // 2. Across hosts (launched; the previous piece, whose buffer the next
+    //    one reuses, is waited for).
+    stage("between hosts", topology_.inter_ranks, [&] {
+      at::Tensor mine = flat_out.narrow(0, off, len);
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = combine;
+      auto work = topology_.inter->_reduce_scatter_base(mine, host_sum, opts);
+      if (in_flight) in_flight->wait();
+      in_flight = work;
+    });
+  }
+  stage("between hosts", topology_.inter_ranks, [&] { in_flight->wait(); });
+  if (avg) flat_out.div_(getSize());
+  dst.copyBack();
 }
 
 }  // namespace dsparallel

@@ -204,6 +204,11 @@ class ProcessGroupDSP : public c10d::Backend {
   // Each rank gathers its inter group's inputs across hosts, then the host
   // all-gathers those blocks over shared memory; outs[r] receives rank r's.
   void hierarchicalAllGather(const at::Tensor& in, const std::vector<at::Tensor>& outs);
+  // The host reduce-scatters over shared memory so that local rank j holds
+  // the host's sums of the chunks of j's inter group, which then
+  // reduce-scatters them across hosts. chunks[r]: the input for rank r.
+  void hierarchicalReduceScatter(const std::vector<at::Tensor>& chunks,
+                                 const at::Tensor& out, c10d::ReduceOp op);
   // The global ranks with local index `local` on every host, ascending: the
   // members of that index's inter group, in that group's rank order.
   std::vector<int> interGroupOf(int local) const;

@@ -73,10 +73,16 @@ def _check_collectives(rank, world):
     out = torch.empty(world, 2, 3)
     dist.all_gather_into_tensor(out, torch.full((2, 3), float(rank)))
     assert torch.equal(out, torch.arange(float(world)).view(-1, 1, 1).expand(-1, 2, 3))
-    out = torch.empty(3, dtype=torch.int64)
-    dist.reduce_scatter_tensor(out, _values(rank, 3 * world))
-    want = sum(_values(r, 3 * world) for r in range(world))[3 * rank : 3 * rank + 3]
-    assert torch.equal(out, want)
+    for n in (0, 3, 300_001):  # the last: several pieces, ragged
+        out = torch.empty(n, dtype=torch.int64)
+        dist.reduce_scatter_tensor(out, _values(rank, n * world))
+        want = sum(_values(r, n * world) for r in range(world))[n * rank : n * rank + n]
+        assert torch.equal(out, want), n
+    out = torch.empty(3, 2).t()  # non-contiguous, AVG, list form
+    dist.reduce_scatter(
+        out, [torch.full((2, 3), float(rank + 10 * r)) for r in range(world)], op=dist.ReduceOp.AVG
+    )
+    torch.testing.assert_close(out, torch.full((2, 3), 10.0 * rank + (world - 1) / 2))
     got = torch.empty(world, dtype=torch.int64)
     dist.all_to_all_single(got, torch.arange(world, dtype=torch.int64) + 10 * rank)
     assert torch.equal(got, torch.arange(world, dtype=torch.int64) * 10 + rank)
@@ -94,8 +100,9 @@ def _two_hosts_body(rank, world, hosts_of, hierarchical):
     assert backend.multi_host and backend.hierarchical == hierarchical
     _check_collectives(rank, world)
     # Every all-reduce (6 sizes x 3 ops + 2 coalesced), broadcast (3 sizes
-    # from each root + 1) and all-gather (3 + 1 + 1) above took the path expected.
-    calls = 20 + 3 * world + 1 + 5
+    # from each root + 1), all-gather (3 + 1 + 1) and reduce-scatter (3 + 1)
+    # above took the path expected.
+    calls = 20 + 3 * world + 1 + 5 + 4
     assert backend.hierarchical_calls == (calls if hierarchical else 0)
     dist.destroy_process_group()
     return True
