@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/reduce.h"
 #include "process_group_dsp.h"
 #include "tensor_adapt.h"
 
@@ -229,7 +230,7 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
                                                 c10d::ReduceOp op) {
   const bool avg = op == c10d::ReduceOp::AVG;
   const c10d::ReduceOp combine = avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
-  const auto dtype = checkedDType(out, "reduce_scatter");
+  const dsp::DType dtype = checkedDType(out, "reduce_scatter");
   const dsp::ReduceOp intra_op = checkedReduceOp(combine, dtype, "reduce_scatter");
   const int hosts = static_cast<int>(topology_.hosts.size());
   const int local = topology_.local_size;
@@ -251,7 +252,24 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
   at::Tensor ordered = at::empty({local * hosts * piece}, out.options());
   at::Tensor host_sums[2] = {at::empty({hosts * piece}, out.options()),
                              at::empty({hosts * piece}, out.options())};
-  c10::intrusive_ptr<c10d::Work> in_flight;
+  at::Tensor received[2] = {at::empty({hosts * piece}, out.options()),
+                            at::empty({hosts * piece}, out.options())};
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    int64_t off = 0, len = 0;
+    at::Tensor received;
+  };
+  // Each inter peer's partial sums of this rank's chunk arrive by one
+  // all-to-all and are reduced here: gloo's own reduce-scatter is an
+  // all-reduce underneath, which sends every byte twice.
+  auto reduceArrived = [&](Pending& p) {
+    stage("between hosts", topology_.inter_ranks, [&] { p.work->wait(); });
+    std::vector<const void*> parts(hosts);
+    for (int h = 0; h < hosts; ++h) parts[h] = p.received[h].data_ptr();
+    dsp::reduceInto(flat_out.narrow(0, p.off, p.len).data_ptr(), parts.data(), hosts,
+                    static_cast<size_t>(p.len), dtype, intra_op, 1);
+  };
+  Pending in_flight;
   for (int64_t k = 0; k < pieces; ++k) {
     const int64_t off = k * piece, len = length(k);
     // 1. Within the host. The chunks in the order the reduce-scatter splits
@@ -269,18 +287,23 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
                            static_cast<size_t>(hosts * len),
                            callInfo(dsp::Collective::kReduceScatter, host_sum, intra_op));
     });
-    // 2. Across hosts (launched; the previous piece, whose buffer the next
-    //    one reuses, is waited for).
+    // 2. Across hosts: launched; the previous piece, whose buffers the next
+    //    one reuses, is finished meanwhile.
+    Pending next;
+    next.off = off;
+    next.len = len;
+    next.received = received[k % 2].narrow(0, 0, hosts * len).view({hosts, len});
     stage("between hosts", topology_.inter_ranks, [&] {
-      at::Tensor mine = flat_out.narrow(0, off, len);
-      c10d::ReduceScatterOptions opts;
-      opts.reduceOp = combine;
-      auto work = topology_.inter->_reduce_scatter_base(mine, host_sum, opts);
-      if (in_flight) in_flight->wait();
-      in_flight = work;
+      at::Tensor recv_flat = next.received.view({-1});
+      std::vector<int64_t> equal_splits;
+      c10d::AllToAllOptions opts;
+      next.work = topology_.inter->alltoall_base(recv_flat, host_sum, equal_splits,
+                                                 equal_splits, opts);
     });
+    if (in_flight.work) reduceArrived(in_flight);
+    in_flight = std::move(next);
   }
-  stage("between hosts", topology_.inter_ranks, [&] { in_flight->wait(); });
+  reduceArrived(in_flight);
   if (avg) flat_out.div_(getSize());
   dst.copyBack();
 }
