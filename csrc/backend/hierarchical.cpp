@@ -58,6 +58,8 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
   const auto dtype = checkedDType(t, "all_reduce");
   const dsp::ReduceOp intra_op = checkedReduceOp(combine, dtype, "all_reduce");
   const int local = topology_.local_size;
+  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "all_reduce", t,
+                   static_cast<int64_t>(op.op_), -1);
   at::Tensor data = t.contiguous();
   at::Tensor flat = data.view({-1});
   const int64_t n = flat.numel();
@@ -145,6 +147,7 @@ void ProcessGroupDSP::hierarchicalBroadcast(const at::Tensor& t, int root) {
     if (it != host.end()) root_local = static_cast<int>(it - host.begin());
   }
   TORCH_INTERNAL_ASSERT(root_local >= 0, "broadcast root ", root, " is on no host");
+  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "broadcast", t, -1, root);
   ++hierarchical_calls_;
   Staged s(t);
   if (s.bytes() == 0) return;
@@ -172,6 +175,7 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
   const int hosts = static_cast<int>(topology_.hosts.size());
   const int local = topology_.local_size;
   const int64_t m = in.numel();
+  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "all_gather", in, -1, -1);
   ++hierarchical_calls_;
   if (m == 0) return;
   at::Tensor mine = in.contiguous().view({-1});
@@ -235,6 +239,8 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
   const int hosts = static_cast<int>(topology_.hosts.size());
   const int local = topology_.local_size;
   const int64_t m = out.numel();
+  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "reduce_scatter", out,
+                   static_cast<int64_t>(op.op_), -1);
   ++hierarchical_calls_;
   if (m == 0) return;
   std::vector<at::Tensor> flat_chunks;

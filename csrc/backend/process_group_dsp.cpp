@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <string>
 
 namespace dsparallel {
 namespace {
@@ -94,7 +95,13 @@ c10d::Backend* ProcessGroupDSP::route(const at::Tensor& t, const char* what,
                 "no GPU when the group was created)");
     return cuda_.get();
   }
-  if (across_hosts && multiHost()) return &flat(what);
+  if (across_hosts && multiHost()) {
+    // All-to-all's tensors may differ in size across ranks (uneven splits):
+    // only its name and dtype must agree.
+    const bool sized = std::string(what).rfind("all_to_all", 0) != 0;
+    checkAcrossHosts(flat(what), {}, what, sized ? t : t.new_empty({0}), -1, -1);
+    return &flat(what);
+  }
   return nullptr;
 }
 
@@ -123,6 +130,7 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.spins = envInt("DSP_SPINS", options.spins);
   options.yields = envInt("DSP_YIELDS", options.yields);
   options.p2p_ring_bytes = envBytes("DSP_P2P_RING_BYTES", options.p2p_ring_bytes);
+  check_across_hosts_ = envInt("DSP_CHECK_ACROSS_HOSTS", 1) != 0;
   hier_piece_bytes_ =
       static_cast<int64_t>(envBytes("DSP_HIER_PIECE_BYTES", hier_piece_bytes_));
   // The store handed to a backend is already prefixed per group, so each

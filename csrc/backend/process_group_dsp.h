@@ -209,6 +209,11 @@ class ProcessGroupDSP : public c10d::Backend {
   // reduce-scatters them across hosts. chunks[r]: the input for rank r.
   void hierarchicalReduceScatter(const std::vector<at::Tensor>& chunks,
                                  const at::Tensor& out, c10d::ReduceOp op);
+  // Before data crosses hosts over `group` (global ranks `ranks`; empty:
+  // the world's): every rank's call must agree, or all raise the same error
+  // (across_hosts.cpp). op and root: -1 when the call has none.
+  void checkAcrossHosts(c10d::Backend& group, const std::vector<int>& ranks,
+                        const char* what, const at::Tensor& t, int64_t op, int64_t root);
   // The global ranks with local index `local` on every host, ascending: the
   // members of that index's inter group, in that group's rank order.
   std::vector<int> interGroupOf(int local) const;
@@ -223,6 +228,7 @@ class ProcessGroupDSP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cuda_;
   int64_t hier_piece_bytes_ = 4 << 20;  // DSP_HIER_PIECE_BYTES
   std::atomic<int64_t> hierarchical_calls_{0};
+  bool check_across_hosts_ = true;  // DSP_CHECK_ACROSS_HOSTS
 
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished

@@ -119,6 +119,44 @@ def test_unequal_hosts_fall_back_to_flat():
     run_ranks(_two_hosts_body, 3, [0, 0, 1], False, init=False)
 
 
+def _mismatch_body(rank, world):
+    """Hosts that disagree (each agreeing within itself) about a call whose
+    data crosses hosts: every rank raises naming the calls, nothing is sent
+    (gloo would abort the process on the size mismatch), and the group stays
+    usable."""
+    _init_as_hosts(rank, [0, 0, 1, 1])
+    n = 1000 if rank < 2 else 2000
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(n)),
+        "broadcast": lambda: dist.broadcast(torch.ones(n), src=3),
+        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(world * n), torch.ones(n)),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(world * n)),
+        "gather": lambda: dist.gather(  # flat gloo, checked all the same
+            torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == 0 else None, dst=0
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError) as err:
+            call()
+        msg = str(err.value)
+        assert "ranks on different hosts called mismatched collectives" in msg, msg
+        assert f"{name} Float[1000]" in msg and f"{name} Float[2000]" in msg, msg
+        t = torch.ones(8)
+        dist.all_reduce(t)  # still usable
+        assert torch.equal(t, torch.full((8,), 4.0))
+    # All-to-all may differ in size across ranks (uneven splits): not refused.
+    ins = torch.full((world * (rank + 1),), float(rank))
+    out = torch.empty(sum(r + 1 for r in range(world)))
+    dist.all_to_all_single(out, ins, [r + 1 for r in range(world)], [rank + 1] * world)
+    want = torch.cat([torch.full((r + 1,), float(r)) for r in range(world)])
+    assert torch.equal(out, want)
+    return True
+
+
+def test_hosts_that_disagree_raise_instead_of_crashing():
+    run_ranks(_mismatch_body, 4, init=False)
+
+
 def _train_ddp(rank, world):
     """A few SGD steps of a small model under our DDP; the parameters as lists."""
     import dsparallel
