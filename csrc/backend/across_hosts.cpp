@@ -73,7 +73,7 @@ void ProcessGroupDSP::checkAcrossHosts(c10d::Backend& group,
   std::ostringstream msg;
   msg << "dsp " << what << ": ranks on different hosts called mismatched collectives "
       << "(every rank must call the same collective with the same dtype, shape, op and "
-      << "root); nothing was sent:";
+      << "root); nothing crossed hosts, and the group stays usable:";
   for (int i = 0; i < n; ++i) {
     const int global = i < static_cast<int>(ranks.size()) ? ranks[i] : i;
     msg << "\n  rank " << global << ": "

@@ -38,15 +38,18 @@ std::string listOf(const std::vector<int>& ranks) {
   return out + "]";
 }
 
-// Runs one stage, prefixing its error with where it ran: the shared-memory
-// comm numbers this host's ranks from 0, which the user must map back.
+// Runs one stage of collective `what`, prefixing its error with where it ran:
+// the shared-memory comm numbers this host's ranks from 0, which the user
+// must map back.
 template <typename Fn>
-void stage(const char* where, const std::vector<int>& ranks, Fn&& fn) {
+void stage(const char* what, bool within_host, const std::vector<int>& ranks, Fn&& fn) {
   try {
     fn();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "dsp all_reduce across hosts failed ", where, " (global ranks ",
-                listOf(ranks), ", numbered 0.. there): ", e.what());
+    TORCH_CHECK(false, "dsp ", what, " across hosts failed ",
+                within_host ? "within this host" : "between hosts", " (global ranks ",
+                listOf(ranks), within_host ? ", numbered 0.. there" : "",
+                "): ", e.what());
   }
 }
 
@@ -58,8 +61,6 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
   const auto dtype = checkedDType(t, "all_reduce");
   const dsp::ReduceOp intra_op = checkedReduceOp(combine, dtype, "all_reduce");
   const int local = topology_.local_size;
-  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "all_reduce", t,
-                   static_cast<int64_t>(op.op_), -1);
   at::Tensor data = t.contiguous();
   at::Tensor flat = data.view({-1});
   const int64_t n = flat.numel();
@@ -95,11 +96,16 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
     std::vector<const void*> ins(local);
     for (int i = 0; i < local; ++i)
       ins[i] = static_cast<char*>(p.buf.data_ptr()) + i * slice_bytes;
-    stage("within this host", topology_.host_ranks, [&] {
+    stage("all_reduce", true, topology_.host_ranks, [&] {
       comm_->reduceScatter(ins.data(), p.slice.data_ptr(), static_cast<size_t>(p.per),
                            callInfo(dsp::Collective::kReduceScatter, p.slice, intra_op));
     });
-    stage("between hosts", topology_.inter_ranks, [&] {
+    stage("all_reduce", false, topology_.inter_ranks, [&] {
+      // After the first piece's shared-memory stage, so that a peer lost
+      // on another host is reported here, between hosts, by every rank.
+      if (k == 0)
+        checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "all_reduce", t,
+                         static_cast<int64_t>(op.op_), -1);
       std::vector<at::Tensor> across = {p.slice};
       c10d::AllreduceOptions opts;
       opts.reduceOp = combine;
@@ -109,13 +115,13 @@ void ProcessGroupDSP::hierarchicalAllReduce(const at::Tensor& t, c10d::ReduceOp 
   };
   // 3. Within the host again, once the piece is back from the network.
   auto finish = [&](Piece& p) {
-    stage("between hosts", topology_.inter_ranks, [&] { p.across->wait(); });
+    stage("all_reduce", false, topology_.inter_ranks, [&] { p.across->wait(); });
     if (avg) p.slice.div_(getSize());  // on 1/L of the data, before it spreads
     const size_t slice_bytes = static_cast<size_t>(p.per) * t.element_size();
     std::vector<void*> outs(local);
     for (int i = 0; i < local; ++i)
       outs[i] = static_cast<char*>(p.buf.data_ptr()) + i * slice_bytes;
-    stage("within this host", topology_.host_ranks, [&] {
+    stage("all_reduce", true, topology_.host_ranks, [&] {
       comm_->allGather(
           p.slice.data_ptr(), slice_bytes, outs.data(),
           callInfo(dsp::Collective::kAllGather, p.slice, dsp::ReduceOp::kSum));
@@ -147,13 +153,15 @@ void ProcessGroupDSP::hierarchicalBroadcast(const at::Tensor& t, int root) {
     if (it != host.end()) root_local = static_cast<int>(it - host.begin());
   }
   TORCH_INTERNAL_ASSERT(root_local >= 0, "broadcast root ", root, " is on no host");
-  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "broadcast", t, -1, root);
+  stage("broadcast", false, topology_.inter_ranks, [&] {
+    checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "broadcast", t, -1, root);
+  });
   ++hierarchical_calls_;
   Staged s(t);
   if (s.bytes() == 0) return;
   if (topology_.local_rank == root_local) {
     const auto& peers = topology_.inter_ranks;
-    stage("between hosts", peers, [&] {
+    stage("broadcast", false, peers, [&] {
       // The staged buffer: the host's broadcast below hands it on.
       std::vector<at::Tensor> across = {s.tensor()};
       c10d::BroadcastOptions opts;
@@ -162,7 +170,7 @@ void ProcessGroupDSP::hierarchicalBroadcast(const at::Tensor& t, int root) {
       topology_.inter->broadcast(across, opts)->wait();
     });
   }
-  stage("within this host", topology_.host_ranks, [&] {
+  stage("broadcast", true, topology_.host_ranks, [&] {
     comm_->broadcast(
         s.ptr(), s.bytes(),
         callInfo(dsp::Collective::kBroadcast, t, dsp::ReduceOp::kSum, root_local));
@@ -175,7 +183,9 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
   const int hosts = static_cast<int>(topology_.hosts.size());
   const int local = topology_.local_size;
   const int64_t m = in.numel();
-  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "all_gather", in, -1, -1);
+  stage("all_gather", false, topology_.inter_ranks, [&] {
+    checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "all_gather", in, -1, -1);
+  });
   ++hierarchical_calls_;
   if (m == 0) return;
   at::Tensor mine = in.contiguous().view({-1});
@@ -201,7 +211,7 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
   //    that group's rank order.
   auto launch = [&](int64_t k) {
     c10::intrusive_ptr<c10d::Work> work;
-    stage("between hosts", topology_.inter_ranks, [&] {
+    stage("all_gather", false, topology_.inter_ranks, [&] {
       std::vector<std::vector<at::Tensor>> gathered = {across(k).unbind(0)};
       std::vector<at::Tensor> input = {mine.narrow(0, k * piece, length(k))};
       work = topology_.inter->allgather(gathered, input);
@@ -210,7 +220,7 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
   };
   c10::intrusive_ptr<c10d::Work> next = launch(0);
   for (int64_t k = 0; k < pieces; ++k) {
-    stage("between hosts", topology_.inter_ranks, [&] { next->wait(); });
+    stage("all_gather", false, topology_.inter_ranks, [&] { next->wait(); });
     if (k + 1 < pieces) next = launch(k + 1);
     // 2. Within the host: every local rank's block, so all inputs are here.
     const int64_t len = length(k);
@@ -218,7 +228,7 @@ void ProcessGroupDSP::hierarchicalAllGather(const at::Tensor& in,
     at::Tensor all = all_buf.narrow(0, 0, local * hosts * len).view({local, hosts, len});
     std::vector<void*> blocks(local);
     for (int j = 0; j < local; ++j) blocks[j] = all[j].data_ptr();
-    stage("within this host", topology_.host_ranks, [&] {
+    stage("all_gather", true, topology_.host_ranks, [&] {
       comm_->allGather(block.data_ptr(), block.nbytes(), blocks.data(),
                        callInfo(dsp::Collective::kAllGather, block));
     });
@@ -239,8 +249,6 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
   const int hosts = static_cast<int>(topology_.hosts.size());
   const int local = topology_.local_size;
   const int64_t m = out.numel();
-  checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "reduce_scatter", out,
-                   static_cast<int64_t>(op.op_), -1);
   ++hierarchical_calls_;
   if (m == 0) return;
   std::vector<at::Tensor> flat_chunks;
@@ -269,7 +277,7 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
   // all-to-all and are reduced here: gloo's own reduce-scatter is an
   // all-reduce underneath, which sends every byte twice.
   auto reduceArrived = [&](Pending& p) {
-    stage("between hosts", topology_.inter_ranks, [&] { p.work->wait(); });
+    stage("reduce_scatter", false, topology_.inter_ranks, [&] { p.work->wait(); });
     std::vector<const void*> parts(hosts);
     for (int h = 0; h < hosts; ++h) parts[h] = p.received[h].data_ptr();
     dsp::reduceInto(flat_out.narrow(0, p.off, p.len).data_ptr(), parts.data(), hosts,
@@ -288,7 +296,7 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
     std::vector<const void*> ins(local);
     for (int j = 0; j < local; ++j) ins[j] = blocks[j].data_ptr();
     at::Tensor host_sum = host_sums[k % 2].narrow(0, 0, hosts * len);
-    stage("within this host", topology_.host_ranks, [&] {
+    stage("reduce_scatter", true, topology_.host_ranks, [&] {
       comm_->reduceScatter(ins.data(), host_sum.data_ptr(),
                            static_cast<size_t>(hosts * len),
                            callInfo(dsp::Collective::kReduceScatter, host_sum, intra_op));
@@ -299,7 +307,11 @@ void ProcessGroupDSP::hierarchicalReduceScatter(const std::vector<at::Tensor>& c
     next.off = off;
     next.len = len;
     next.received = received[k % 2].narrow(0, 0, hosts * len).view({hosts, len});
-    stage("between hosts", topology_.inter_ranks, [&] {
+    stage("reduce_scatter", false, topology_.inter_ranks, [&] {
+      // After the first piece's shared-memory stage, as in all-reduce.
+      if (k == 0)
+        checkAcrossHosts(*topology_.inter, topology_.inter_ranks, "reduce_scatter", out,
+                         static_cast<int64_t>(op.op_), -1);
       at::Tensor recv_flat = next.received.view({-1});
       std::vector<int64_t> equal_splits;
       c10d::AllToAllOptions opts;
