@@ -156,16 +156,14 @@ ProcessGroupDSP::~ProcessGroupDSP() {
   if (worker_.joinable()) worker_.join();
 }
 
-void ProcessGroupDSP::shutdown() {
-  if (shut_down_.exchange(true)) return;
-  for (auto* b : {cuda_.get(), p2p_.get(), topology_.inter.get()})
-    if (b) b->shutdown();
-}
+void ProcessGroupDSP::shutdown() { passOn(&c10d::Backend::shutdown); }
 
-void ProcessGroupDSP::abort() {
+void ProcessGroupDSP::abort() { passOn(&c10d::Backend::abort); }
+
+void ProcessGroupDSP::passOn(void (c10d::Backend::*call)()) {
   if (shut_down_.exchange(true)) return;
   for (auto* b : {cuda_.get(), p2p_.get(), topology_.inter.get()})
-    if (b) b->abort();
+    if (b) (b->*call)();
 }
 
 void ProcessGroupDSP::setTimeout(std::chrono::milliseconds timeout) {

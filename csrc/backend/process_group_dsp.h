@@ -174,6 +174,8 @@ class ProcessGroupDSP : public c10d::Backend {
   int64_t hierarchicalCalls() const { return hierarchical_calls_.load(); }
 
  private:
+  // shutdown() or abort() (`call`), once, on every backend this group owns.
+  void passOn(void (c10d::Backend::*call)());
   // recv (src_rank >= 0) and recvAnysource (-1): one routing for both.
   c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int src_rank,
                                          int tag);

@@ -1,5 +1,8 @@
-// Runs n ranks of a ShmComm as threads of this process (as gloo's tests do).
+// Runs n ranks of a ShmComm as threads of this process (as gloo's tests do),
+// and checks the messages of expected errors.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <exception>
@@ -50,6 +53,20 @@ inline std::string messageOf(const std::exception_ptr& e) {
     return ex.what();
   }
   return "unknown";
+}
+
+// fn() must throw E whose message contains every needle; `if_not_thrown`
+// is the failure reported when it returns.
+template <typename E, typename Fn>
+void expectThrowWith(Fn&& fn, const std::vector<std::string>& needles,
+                     const char* if_not_thrown) {
+  try {
+    fn();
+    ADD_FAILURE() << if_not_thrown;
+  } catch (const E& e) {
+    const std::string m = e.what();
+    for (const auto& needle : needles) EXPECT_NE(m.find(needle), std::string::npos) << m;
+  }
 }
 
 }  // namespace dsp::testing
