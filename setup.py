@@ -8,7 +8,7 @@ import glob
 import os
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension
+from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,23 +28,10 @@ def sources():
     return [os.path.relpath(f, ROOT) for f in found]
 
 
-def with_cuda():
-    import torch
-
-    return torch.version.cuda is not None and CUDA_HOME is not None
-
-
-define_macros = []
-if with_cuda():
-    # The CUDA/NCCL path is compiled in only when torch has CUDA and nvcc is
-    # found; the CPU-only build is the default elsewhere.
-    define_macros.append(("DSP_WITH_CUDA", "1"))
-
 ext = CppExtension(
     name="dsparallel._C",
     sources=sources(),
     include_dirs=[os.path.join(ROOT, "csrc")],
-    define_macros=define_macros,
     # No -std here: torch's BuildExtension picks the standard its headers
     # need (C++17 for torch 2.13, C++20 from 2.14); csrc/core is plain C++17.
     extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"]},

@@ -18,21 +18,50 @@ BACKEND_NAME = "dsp"
 NODE_ID_ENV = "DSP_NODE_ID"
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def machine_id() -> str:
+    """This machine (one kernel, one set of cores): the host name and the boot
+    id, which tells apart two machines or VMs that share a host name."""
+    return f"{socket.gethostname()}/{_read('/proc/sys/kernel/random/boot_id')}"
+
+
 def node_id() -> str:
     """This process's host identity: ``$DSP_NODE_ID`` if set (so that tests
-    can make one machine act as several hosts), else the host name."""
-    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
+    can make one machine act as several hosts), else what decides whether two
+    processes can share memory: the machine, the IPC namespace, and the
+    tmpfs that holds POSIX shared memory (two containers on one machine
+    differ in these, and must then talk over gloo, not look for each other's
+    segments)."""
+    if os.environ.get(NODE_ID_ENV):
+        return os.environ[NODE_ID_ENV]
+    try:
+        ipc = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc = "?"
+    try:
+        shm = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm = "?"
+    return f"{machine_id()}/{ipc}/shm:{shm}"
 
 
 def _topology(store, rank: int, size: int):
     """Every rank's host through the group's store: the host index of each
     rank (in order of first appearance), and how many ranks share this
     physical machine (more than a host's when one machine plays several)."""
-    store.set(f"dsp-node/{rank}", f"{node_id()}\n{socket.gethostname()}")
+    me = machine_id()
+    store.set(f"dsp-node/{rank}", f"{node_id()}\n{me}")
     entries = [store.get(f"dsp-node/{r}").decode().split("\n") for r in range(size)]
     names = [e[0] for e in entries]
     order = {n: i for i, n in enumerate(dict.fromkeys(names))}
-    machine = sum(1 for e in entries if e[1] == socket.gethostname())
+    machine = sum(1 for e in entries if e[1] == me)
     return [order[n] for n in names], machine
 
 

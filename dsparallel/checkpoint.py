@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .tensor_parallel.random import get_rng_tracker
+from .tensor_parallel.random import cuda_rng_live, get_rng_tracker
 
 
 def _tracker_context():
@@ -32,19 +32,24 @@ def _tracker_context():
 
 
 def capture_rng():
-    """The default CPU generator's state and the tensor-parallel streams."""
-    return torch.get_rng_state(), get_rng_tracker().get_states()
+    """The default generators' states (CPU, and the current CUDA device's when
+    CUDA is in use: dropout on CUDA tensors draws from it) and the
+    tensor-parallel streams."""
+    cuda = (torch.cuda.current_device(), torch.cuda.get_rng_state()) if cuda_rng_live() else None
+    return torch.get_rng_state(), cuda, get_rng_tracker().get_states()
 
 
 @contextlib.contextmanager
 def replay_rng(state):
     """Runs the body from a ``capture_rng()`` state, then puts the current
     states back (for recomputing a forward with the same dropout masks)."""
-    cpu, streams = state
+    cpu, cuda, streams = state
     tracker = get_rng_tracker()
     current = tracker.get_states()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[cuda[0]] if cuda else []):
         torch.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state(cuda[1], cuda[0])
         tracker.set_states(streams)
         try:
             yield

@@ -15,10 +15,15 @@ if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
   echo "cuda_build_check: WARNING: no nvcc under CUDA_HOME=$CUDA_HOME (not needed today)" >&2
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-# A machine that cannot get the CUDA build of torch cannot run this check:
-# that is reported and skipped; compile and link errors fail.
+# A machine that cannot get the CUDA build of torch cannot run this check.
+# By hand that is reported and skipped; under CI (CI set) it fails, so that CI
+# can never lose the check silently. Compile and link errors always fail.
 if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH" numpy ninja \
   setuptools wheel; then
+  if [ -n "${CI:-}" ]; then
+    echo "cuda_build_check: FAILED: could not install $TORCH into $VENV (CI must run this check)" >&2
+    exit 1
+  fi
   echo "cuda_build_check: SKIPPED: could not install $TORCH into $VENV" >&2
   exit 0
 fi

@@ -114,8 +114,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
   auto info = callInfo(Collective::kAllReduce, tensors[0],
                        checkedReduceOp(opts.reduceOp, dt, "all_reduce_coalesced"));
   int64_t total = 0;
-  for (const auto& t : tensors) total += t.numel();
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& t : tensors) {
+    total += t.numel();
+    shapes.push_back(t.sizes().vec());
+  }
   info.shape = {total};
+  info.tensors = static_cast<uint32_t>(tensors.size());
+  info.shapes_hash = dsp::hashShapes(shapes);
   if (hierarchical()) {
     // Across hosts: one flat buffer, so that the lot crosses the network as
     // one hierarchical all-reduce (its slices split evenly among the host's
@@ -255,22 +261,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
                  });
 }
 
+// torch's layout: outputs[r][i] receives rank r's inputs[i]. One Work for
+// the lot (see coalesced()): its error is any member's.
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   if (auto* b = route(inputs, "all_gather_coalesced", /*across_hosts=*/!hierarchical()))
     return b->allgather_coalesced(outputs, inputs, opts);
-  TORCH_CHECK(outputs.size() == inputs.size(),
-              "dsp all_gather_coalesced: ", outputs.size(), " output lists for ",
-              inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<std::vector<at::Tensor>> o = {outputs[i]};
-    std::vector<at::Tensor> in = {inputs[i]};
-    last = allgather(o, in, opts);
+  TORCH_CHECK(!inputs.empty(), "dsp all_gather_coalesced: no input tensors given");
+  checkListSize(outputs.size(), getSize(), "all_gather_coalesced", "the output lists");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    TORCH_CHECK(outputs[r].size() == inputs.size(), "dsp all_gather_coalesced: output list ",
+                r, " holds ", outputs[r].size(), " tensors for ", inputs.size(),
+                " inputs (one per input)");
   }
-  // Works run in order, so the last one completing means all have.
-  return last;
+  std::vector<at::Tensor> all_outputs;
+  for (const auto& list : outputs) all_outputs.insert(all_outputs.end(), list.begin(), list.end());
+  return coalesced(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", all_outputs,
+                   inputs, [&](size_t i) {
+                     std::vector<std::vector<at::Tensor>> o(1);
+                     for (const auto& list : outputs) o[0].push_back(list[i]);
+                     std::vector<at::Tensor> in = {inputs[i]};
+                     allgather(o, in, opts);
+                   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
@@ -283,11 +296,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_into_tensor_coalesced(
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
               "dsp all_gather_into_tensor_coalesced: ", outputs.size(), " outputs for ",
               inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    last = _allgather_base(outputs[i], inputs[i], opts);
-  }
-  return last;
+  return coalesced(c10d::OpType::COALESCED, "all_gather_into_tensor_coalesced", outputs,
+                   inputs,
+                   [&](size_t i) { _allgather_base(outputs[i], inputs[i], opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
@@ -401,11 +412,53 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
               "dsp reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
               inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+  return coalesced(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+                   "reduce_scatter_tensor_coalesced", outputs,
+                   inputs,
+                   [&](size_t i) { _reduce_scatter_base(outputs[i], inputs[i], opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::coalesced(
+    c10d::OpType type, const char* what, const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& inputs, const std::function<void(size_t)>& member) {
+  // Every member must be served here: one on another device would be handed
+  // to another engine and escape the batch.
+  for (const auto& t : inputs) {
+    TORCH_CHECK(t.device() == inputs[0].device(), "dsp ", what,
+                ": all tensors must be on one device, got ", inputs[0].device(), " and ",
+                t.device());
   }
-  return last;
+  // Each member is checked here (raising before anything is queued) and its
+  // closure collected instead of queued.
+  std::vector<std::function<void()>> runs;
+  {
+    BatchScope batch(&runs);
+    for (size_t i = 0; i < inputs.size(); ++i) member(i);
+  }
+  return enqueue(type, nullptr, outputs, [runs = std::move(runs), what] {
+    // Every member runs even after one fails: a mismatch raises on every
+    // rank and leaves the ranks in step, so the next member is still sound
+    // (and a broken group fails it at once). The first error is the call's.
+    std::exception_ptr first;
+    size_t failed = 0;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      try {
+        runs[i]();
+      } catch (...) {
+        if (!first) {
+          first = std::current_exception();
+          failed = i;
+        }
+      }
+    }
+    if (!first) return;
+    try {
+      std::rethrow_exception(first);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "dsp ", what, ": tensor ", failed, " of ", runs.size(), ": ",
+                  e.what());
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall_base(
@@ -475,7 +528,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
     const c10d::BarrierOptions& opts) {
-  if (multiHost()) return flat("barrier").barrier(opts);
+  if (multiHost()) {
+    // Queued like any collective, so that it waits for the work already
+    // queued on this group before gloo's barrier runs.
+    return enqueue(c10d::OpType::BARRIER, nullptr, {},
+                   [this, opts] { flat("barrier").barrier(opts)->wait(); });
+  }
   return enqueue(c10d::OpType::BARRIER, nullptr, {}, [this] { comm_->barrier(); });
 }
 

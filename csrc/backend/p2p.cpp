@@ -42,12 +42,23 @@ class ShmRecvWork : public c10d::Work {
     return Work::isCompleted();
   }
 
-  bool wait(std::chrono::milliseconds /*timeout: the group's applies*/) override {
+  bool wait(std::chrono::milliseconds timeout) override {
     if (!Work::isCompleted()) {
+      const bool bounded = timeout != kNoTimeout;
       try {
-        p2p_->wait(request_);
+        p2p_->wait(request_, bounded ? timeout : std::chrono::milliseconds(0));
         done(nullptr);
       } catch (...) {
+        // A receive left posted would later be filled into memory that may
+        // be gone, and the peers are out of step: as for a collective, an
+        // expired bounded wait breaks the group.
+        if (bounded && !Work::isCompleted()) {
+          pg_->breakGroup("dsp: a recv's Work.wait(timeout) expired after " +
+                          std::to_string(timeout.count()) + " ms on rank " +
+                          std::to_string(pg_->getRank()) +
+                          "; this process group refuses further work: create a new "
+                          "group");
+        }
         done(std::current_exception());
       }
     }

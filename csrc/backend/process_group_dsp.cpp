@@ -7,11 +7,14 @@
 
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 namespace dsparallel {
 namespace {
 
 constexpr const char* kSegmentKey = "dsp/shm_segment";
+// Prefix of the segment key's value when rank 0 could not make the segment.
+constexpr const char* kSegmentError = "!error: ";
 
 size_t envBytes(const char* name, size_t fallback) {
   const char* v = std::getenv(name);
@@ -67,11 +70,24 @@ void WorkDSP::complete(std::exception_ptr error) {
   }
 }
 
-bool WorkDSP::wait(std::chrono::milliseconds /*timeout*/) {
-  // Every collective already has the group's deadline; a per-call timeout
-  // would only be able to abandon a collective halfway, which leaves the
-  // peers out of step.
-  if (!isCompleted()) pg_->runUntil(this);
+bool WorkDSP::wait(std::chrono::milliseconds timeout) {
+  if (!isCompleted()) {
+    if (timeout == kNoTimeout) {
+      pg_->runUntil(this);
+    } else if (!pg_->waitFor(this, timeout)) {
+      // As torch's gloo: an expired wait raises. The collective is abandoned
+      // halfway, which leaves the peers out of step, so the group is broken
+      // (the collective, if running, fails within a few ms).
+      pg_->breakGroup("dsp: a Work.wait(timeout) expired after " +
+                      std::to_string(timeout.count()) + " ms on rank " +
+                      std::to_string(pg_->getRank()) +
+                      "; the ranks of this process group are out of step, so it "
+                      "refuses further work: create a new group");
+      TORCH_CHECK(false, "dsp: Work.wait timed out after ", timeout.count(),
+                  " ms (rank ", pg_->getRank(),
+                  "); this process group is now unusable");
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   if (exception_) std::rethrow_exception(exception_);
   return true;
@@ -134,16 +150,26 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   hier_piece_bytes_ =
       static_cast<int64_t>(envBytes("DSP_HIER_PIECE_BYTES", hier_piece_bytes_));
   // The store handed to a backend is already prefixed per group, so each
-  // group (and each job, with its own store) gets its own segment.
+  // group (and each job, with its own store) gets its own segment. Rank 0
+  // publishes the name only once the segment exists (or why it could not be
+  // made: every rank then raises that error, not a timeout 30 minutes later).
+  std::function<void(const std::string&)> created;
   if (comm_rank == 0) {
     segment_name_ = dsp::Segment::randomName();
-    store->set(kSegmentKey,
-               std::vector<uint8_t>(segment_name_.begin(), segment_name_.end()));
+    created = [&store, this](const std::string& error) {
+      const std::string value = error.empty() ? segment_name_ : kSegmentError + error;
+      store->set(kSegmentKey, std::vector<uint8_t>(value.begin(), value.end()));
+    };
   } else {
     const auto bytes = store->get(kSegmentKey);
     segment_name_.assign(bytes.begin(), bytes.end());
+    if (segment_name_.rfind(kSegmentError, 0) == 0) {
+      TORCH_CHECK(false, segment_name_.substr(std::char_traits<char>::length(kSegmentError)),
+                  " (reported by rank 0 of this host's shared-memory group)");
+    }
   }
-  comm_ = std::make_unique<dsp::ShmComm>(segment_name_, comm_rank, comm_size, options);
+  comm_ = std::make_unique<dsp::ShmComm>(segment_name_, comm_rank, comm_size, options,
+                                         created);
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -158,7 +184,13 @@ ProcessGroupDSP::~ProcessGroupDSP() {
 
 void ProcessGroupDSP::shutdown() { passOn(&c10d::Backend::shutdown); }
 
-void ProcessGroupDSP::abort() { passOn(&c10d::Backend::abort); }
+void ProcessGroupDSP::abort() {
+  breakGroup("dsp: this process group was aborted (abort() was called); its ranks are "
+             "out of step, so it refuses further work: create a new group");
+  passOn(&c10d::Backend::abort);
+}
+
+void ProcessGroupDSP::breakGroup(const std::string& reason) { comm_->abort(reason); }
 
 void ProcessGroupDSP::passOn(void (c10d::Backend::*call)()) {
   if (shut_down_.exchange(true)) return;
@@ -167,20 +199,34 @@ void ProcessGroupDSP::passOn(void (c10d::Backend::*call)()) {
 }
 
 void ProcessGroupDSP::setTimeout(std::chrono::milliseconds timeout) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  // Atomic in the comm: a collective running on the worker thread reads it.
   comm_->setTimeout(timeout);
 }
+
+namespace {
+thread_local std::vector<std::function<void()>>* t_batch = nullptr;
+}  // namespace
+
+ProcessGroupDSP::BatchScope::BatchScope(std::vector<std::function<void()>>* runs)
+    : previous_(std::exchange(t_batch, runs)) {}
+
+ProcessGroupDSP::BatchScope::~BatchScope() { t_batch = previous_; }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
                                                         const char* title,
                                                         std::vector<at::Tensor> outputs,
                                                         std::function<void()> run) {
+  if (t_batch != nullptr) {
+    t_batch->push_back(std::move(run));
+    return {};  // the caller (coalesced) ignores it
+  }
   auto work =
       c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs), std::move(run));
   std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stop_, "dsp: process group is shutting down");
+    TORCH_CHECK(!comm_->aborted(), comm_->abortReason());
     queue_.push_back(work);
     finished.swap(finished_);
   }
@@ -215,6 +261,18 @@ void ProcessGroupDSP::runUntil(WorkDSP* work) {
   }
   finished.swap(finished_);
   lock.unlock();
+}
+
+bool ProcessGroupDSP::waitFor(WorkDSP* work, std::chrono::milliseconds timeout) {
+  // The caller does not run the collective itself here: its own waits would
+  // have the group's deadline, not this one. The worker runs it.
+  std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool done =
+      cv_.wait_for(lock, timeout, [work] { return work->isCompleted(); });
+  finished.swap(finished_);
+  lock.unlock();
+  return done;
 }
 
 void ProcessGroupDSP::workerLoop() {

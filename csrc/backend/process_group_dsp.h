@@ -160,6 +160,12 @@ class ProcessGroupDSP : public c10d::Backend {
   // Runs queued work on the calling thread until `work` is complete (the
   // caller-runs fast path and the worker loop share this).
   void runUntil(WorkDSP* work);
+  // Waits (the worker runs it) until `work` completes or `timeout` passes;
+  // false on timeout.
+  bool waitFor(WorkDSP* work, std::chrono::milliseconds timeout);
+  // Makes the group refuse all further work with `reason`, waking a
+  // collective or receive that is waiting now (abort, an expired wait).
+  void breakGroup(const std::string& reason);
 
   // The shared-memory segment name (tests check it is gone from /dev/shm).
   const std::string& segmentName() const { return segment_name_; }
@@ -187,6 +193,23 @@ class ProcessGroupDSP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs,
                                          std::function<void()> run);
+  // While one lives on a thread, enqueue() on that thread collects the run
+  // closures into `runs` (returning a placeholder) instead of queueing them.
+  class BatchScope {
+   public:
+    explicit BatchScope(std::vector<std::function<void()>>* runs);
+    ~BatchScope();
+
+   private:
+    std::vector<std::function<void()>>* previous_;
+  };
+  // The coalesced forms: member(i) issues the i-th call (checked at once,
+  // collected by a BatchScope), and all of them run as one Work, whose error
+  // is any member's (the first, naming its index).
+  c10::intrusive_ptr<c10d::Work> coalesced(c10d::OpType type, const char* what,
+                                           const std::vector<at::Tensor>& outputs,
+                                           const std::vector<at::Tensor>& inputs,
+                                           const std::function<void(size_t)>& member);
   void workerLoop();
   // The collectives other than all-reduce when the group spans hosts: the
   // world gloo group, which must exist.

@@ -23,7 +23,8 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _SEED_OFFSET = 2718
 
 
-def _cuda_live() -> bool:
+def cuda_rng_live() -> bool:
+    """True when CUDA is in use, so that its generator's state matters."""
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
@@ -40,7 +41,7 @@ class RNGStatesTracker:
         return name in self._states
 
     def add(self, name: str, seed: int) -> None:
-        devices = [torch.cuda.current_device()] if _cuda_live() else []
+        devices = [torch.cuda.current_device()] if cuda_rng_live() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             self._states[name] = self._capture()
@@ -48,14 +49,14 @@ class RNGStatesTracker:
     @staticmethod
     def _capture() -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
-        if _cuda_live():
+        if cuda_rng_live():
             state["cuda"] = torch.cuda.get_rng_state()
         return state
 
     @staticmethod
     def _restore(state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state["cpu"])
-        if "cuda" in state and _cuda_live():
+        if "cuda" in state and cuda_rng_live():
             torch.cuda.set_rng_state(state["cuda"])
 
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:

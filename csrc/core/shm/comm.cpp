@@ -85,9 +85,10 @@ struct Descriptor {
   uint64_t seq;
   uint64_t count;
   uint32_t ndim;
-  uint32_t pad;
+  uint32_t tensors;      // coalesced calls: how many tensors (0: one)
   int64_t dims[kMaxDims];
-  char tail[24];
+  uint64_t shapes_hash;  // coalesced calls: hashShapes of all of them
+  char tail[16];
 };
 static_assert(sizeof(Descriptor) % kCacheLine == 0, "Descriptor: whole lines");
 
@@ -127,8 +128,9 @@ struct ShmComm::Layout {
 
 // ---------------------------------------------------------------------------
 
-ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options)
-    : rank_(rank), size_(size), options_(options) {
+ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options,
+                 const std::function<void(const std::string&)>& created)
+    : rank_(rank), size_(size), options_(options), timeout_ms_(options.timeout.count()) {
   if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size) {
     throw std::invalid_argument("dsp: shared-memory group of size " +
                                 std::to_string(size) + " with rank " +
@@ -146,7 +148,13 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   const size_t bytes = Layout::total(size, slotBytes(), options_.p2p_ring_bytes);
   deadline_ = std::chrono::steady_clock::now() + options_.timeout;
   if (rank == 0) {
-    segment_ = Segment::create(name, bytes);
+    try {
+      segment_ = Segment::create(name, bytes);
+    } catch (const std::exception& e) {
+      if (created) created(e.what());
+      throw;
+    }
+    if (created) created("");
     auto* h = static_cast<Header*>(segment_.data());
     h->nranks = static_cast<uint64_t>(size);
     h->chunk_bytes = options_.chunk_bytes;
@@ -177,7 +185,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   control(rank_).pid.store(static_cast<int32_t>(getpid()));
   p2p_ = std::make_unique<ShmP2P>(
       static_cast<char*>(segment_.data()) + Layout::p2pOffset(size, slotBytes()), rank_,
-      size_, options_.p2p_ring_bytes, options_.timeout, wait_policy_,
+      size_, options_.p2p_ring_bytes, timeout(), wait_policy_,
       [this](int r) { return processAlive(control(r).pid.load()); });
   // Init step: once every rank has arrived, every rank has attached, so the
   // name can go. From here on a crash leaves nothing in /dev/shm.
@@ -206,9 +214,10 @@ void ShmComm::begin(const CallInfo& info) {
         "failure: " +
         broken_);
   }
+  if (aborted()) failAborted();
   current_ = info.kind;
-  ++seq_;
-  deadline_ = std::chrono::steady_clock::now() + options_.timeout;
+  seq_.fetch_add(1, std::memory_order_relaxed);
+  deadline_ = std::chrono::steady_clock::now() + timeout();
 }
 
 void ShmComm::publishDescriptor(uint32_t step, const CallInfo& info, size_t count) {
@@ -217,7 +226,9 @@ void ShmComm::publishDescriptor(uint32_t step, const CallInfo& info, size_t coun
   d.dtype = static_cast<uint32_t>(info.dtype);
   d.op = static_cast<uint32_t>(info.op);
   d.root = info.root;
-  d.seq = seq_;
+  d.seq = sequenceNumber();
+  d.tensors = info.tensors;
+  d.shapes_hash = info.shapes_hash;
   d.count = count;
   d.ndim = static_cast<uint32_t>(info.shape.size());
   for (size_t i = 0; i < static_cast<size_t>(kMaxDims); ++i) {
@@ -238,12 +249,40 @@ void ShmComm::arriveAndWait(uint32_t step) {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const RankControl& peer = control(r);
-    const WaitResult res = waitFor(peer.step, step, deadline_, wait_policy_,
-                                   [&peer] { return processAlive(peer.pid.load()); });
+    const WaitResult res =
+        waitFor(peer.step, step, deadline_, wait_policy_,
+                [&] { return !aborted() && processAlive(peer.pid.load()); });
     if (res != WaitResult::kReached) {
+      if (aborted()) failAborted();
       failWaiting(step, res == WaitResult::kCancelled);
     }
   }
+}
+
+void ShmComm::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(abort_mutex_);
+    if (abort_reason_.empty()) abort_reason_ = reason;
+  }
+  aborted_.store(true, std::memory_order_release);
+  p2p_->abort(reason);
+}
+
+void ShmComm::failAborted() const { throw PeerError(abortReason()); }
+
+uint64_t hashShapes(const std::vector<std::vector<int64_t>>& shapes) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (x >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& s : shapes) {
+    mix(s.size());
+    for (int64_t d : s) mix(static_cast<uint64_t>(d));
+  }
+  return h;
 }
 
 void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
@@ -260,12 +299,12 @@ void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
     first = false;
   }
   std::ostringstream msg;
-  msg << "dsp: " << collectiveName(current_) << " #" << seq_ << " on rank " << rank_
+  msg << "dsp: " << collectiveName(current_) << " #" << sequenceNumber() << " on rank " << rank_
       << " failed: rank(s) [" << missing.str() << "] did not arrive";
   if (dead_peer) {
     msg << " (a peer process died).";
   } else {
-    msg << " within the timeout of " << options_.timeout.count() << " ms.";
+    msg << " within the timeout of " << timeout().count() << " ms.";
   }
   msg << dead.str();
   broken_ = msg.str();
@@ -292,6 +331,10 @@ std::string describe(const Descriptor& d) {
     o << " op " << reduceOpName(static_cast<ReduceOp>(d.op));
   }
   if (d.root >= 0) o << " root " << d.root;
+  if (d.tensors > 0) {
+    o << " over " << d.tensors << " tensors (shapes hash " << std::hex << d.shapes_hash
+      << std::dec << ")";
+  }
   return o.str();
 }
 
@@ -301,7 +344,10 @@ bool sameCall(const Descriptor& a, const Descriptor& b, bool compare_counts) {
     return false;
   }
   if (!compare_counts) return true;
-  if (a.count != b.count || a.ndim != b.ndim) return false;
+  if (a.count != b.count || a.ndim != b.ndim || a.tensors != b.tensors ||
+      a.shapes_hash != b.shapes_hash) {
+    return false;
+  }
   return std::equal(a.dims, a.dims + kMaxDims, b.dims);
 }
 }  // namespace
@@ -333,7 +379,7 @@ void ShmComm::checkSplits(uint32_t step) const {
       const uint64_t expected = control(j).recv_bytes[p][i];
       if (sent != expected) {
         std::ostringstream msg;
-        msg << "dsp: all_to_all #" << seq_ << ": rank " << i << " sends " << sent
+        msg << "dsp: all_to_all #" << sequenceNumber() << ": rank " << i << " sends " << sent
             << " bytes to rank " << j << ", which expects " << expected
             << " bytes from it (split sizes must match across ranks)";
         throw MismatchError(msg.str());

@@ -24,10 +24,13 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -63,7 +66,15 @@ struct CallInfo {
   ReduceOp op = ReduceOp::kSum;
   int root = -1;
   std::vector<int64_t> shape;  // of the tensor that must agree across ranks
+  // Calls over several tensors (coalesced): how many, and a hash of all their
+  // shapes, so that [4, 6] + [6, 4] on one rank and [6, 4] + [4, 6] on
+  // another disagree although their element counts match. 0: one tensor.
+  uint32_t tensors = 0;
+  uint64_t shapes_hash = 0;
 };
+
+// The shapes_hash of a list of shapes (FNV-1a over ndim and dims).
+uint64_t hashShapes(const std::vector<std::vector<int64_t>>& shapes);
 
 // Raised (on every rank) when ranks disagree about a collective.
 class MismatchError : public std::runtime_error {
@@ -137,19 +148,39 @@ class ShmComm {
  public:
   // Rank 0 creates the segment `name`; the others attach to it. Returns after
   // every rank attached; rank 0 unlinks the name before it returns, so once
-  // any rank's first collective has completed the name is gone.
-  ShmComm(const std::string& name, int rank, int size, ShmOptions options);
+  // any rank's first collective has completed the name is gone. On rank 0,
+  // `created` (if set) is called once the segment exists, with "" (the peers
+  // may now attach), or with the error that stopped its creation (which is
+  // then thrown): the caller tells the peers either way, so that they never
+  // look for a segment that does not exist yet, and all raise the same error.
+  ShmComm(const std::string& name, int rank, int size, ShmOptions options,
+          const std::function<void(const std::string& error)>& created = {});
   ~ShmComm();
   ShmComm(const ShmComm&) = delete;
   ShmComm& operator=(const ShmComm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  uint64_t sequenceNumber() const { return seq_; }
+  // Thread-safe: read by callers while another thread runs a collective.
+  uint64_t sequenceNumber() const { return seq_.load(std::memory_order_relaxed); }
+  // options().timeout is the initial timeout; timeout() the current one.
   const ShmOptions& options() const { return options_; }
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
+  }
+  // Thread-safe; applies from the next collective (or receive) on.
   void setTimeout(std::chrono::milliseconds t) {
-    options_.timeout = t;
+    timeout_ms_.store(t.count(), std::memory_order_relaxed);
     p2p_->setTimeout(t);
+  }
+  // Thread-safe: wakes a thread waiting in a collective or a receive (within a
+  // few ms), which then raises `reason`; every later call raises it too. The
+  // peers are out of step after this, so the comm never works again.
+  void abort(const std::string& reason);
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  std::string abortReason() const {
+    std::lock_guard<std::mutex> lock(abort_mutex_);
+    return abort_reason_;
   }
   // Point-to-point messages over the same segment (thread-safe, independent
   // of the collectives' one-thread rule).
@@ -195,6 +226,7 @@ class ShmComm {
   void checkSplits(uint32_t step) const;
   size_t maxSendOverRanks(uint32_t step) const;
   [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
+  [[noreturn]] void failAborted() const;
 
   template <typename Write, typename Read>
   void chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
@@ -215,7 +247,11 @@ class ShmComm {
   ShmOptions options_;
   Segment segment_;
   uint32_t step_ = 0;
-  uint64_t seq_ = 0;
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<int64_t> timeout_ms_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex abort_mutex_;
+  std::string abort_reason_;  // under abort_mutex_
   Collective current_ = Collective::kInit;
   std::chrono::steady_clock::time_point deadline_;
   WaitPolicy wait_policy_;

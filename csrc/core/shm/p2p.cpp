@@ -64,7 +64,7 @@ ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
       rank_(rank),
       size_(size),
       ring_bytes_(ring_bytes),
-      timeout_(timeout),
+      timeout_ms_(timeout.count()),
       policy_(policy),
       peer_alive_(std::move(peer_alive)),
       unexpected_(size),
@@ -83,8 +83,21 @@ ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
 size_t ShmP2P::maxMessageBytes() const { return ring_bytes_ / 2 - kLine; }
 
 void ShmP2P::setTimeout(std::chrono::milliseconds t) {
+  timeout_ms_.store(t.count(), std::memory_order_relaxed);
+}
+
+void ShmP2P::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (abort_reason_.empty()) abort_reason_ = reason;
+  }
+  aborted_.store(true, std::memory_order_release);
+}
+
+void ShmP2P::throwIfAborted() const {
+  if (!aborted_.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  timeout_ = t;
+  throw std::runtime_error(abort_reason_);
 }
 
 ShmP2P::Channel& ShmP2P::channel(int src, int dst) const {
@@ -116,8 +129,10 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
   const size_t off = head % ring_bytes_;
   const size_t waste = ring_bytes_ - off < rec ? ring_bytes_ - off : 0;
   const uint64_t end = head + waste + rec;
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout();
+  throwIfAborted();
   while (end - c.tail.load(std::memory_order_acquire) > ring_bytes_) {
+    throwIfAborted();
     // The ring is full. Drain what every peer sent us meanwhile: a peer may
     // itself be waiting for room in its ring to us (directly, or through a
     // cycle of ranks each sending to the next).
@@ -135,7 +150,7 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
           "dsp send to rank " + std::to_string(dst) + " (" + tagText(tag) +
           ") from rank " + std::to_string(rank_) + ": " +
           (peer_alive_(dst)
-               ? "its receive ring stayed full for " + std::to_string(timeout_.count()) +
+               ? "its receive ring stayed full for " + std::to_string(timeout().count()) +
                      " ms (it received none of the messages before)"
                : std::string("the peer process has exited")));
     }
@@ -237,6 +252,10 @@ ShmP2P::RequestPtr ShmP2P::postRecv(int src, int64_t tag, void* data, size_t byt
 
 bool ShmP2P::test(const RequestPtr& r) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // After an abort nothing is drained: a posted receive's memory may be gone.
+  if (!r->done && aborted_.load(std::memory_order_acquire)) {
+    throw std::runtime_error(abort_reason_);
+  }
   if (!r->done) {
     for (int s = 0; s < size_; ++s) {
       if (s != rank_ && (r->src == -1 || r->src == s)) drainLocked(s);
@@ -247,14 +266,11 @@ bool ShmP2P::test(const RequestPtr& r) {
   return true;
 }
 
-void ShmP2P::wait(const RequestPtr& r) {
-  std::chrono::milliseconds timeout;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    timeout = timeout_;
-  }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
+  const auto limit = timeout.count() > 0 ? timeout : this->timeout();
+  const auto deadline = std::chrono::steady_clock::now() + limit;
   for (;;) {
+    throwIfAborted();
     uint32_t seen = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -264,7 +280,7 @@ void ShmP2P::wait(const RequestPtr& r) {
     const auto now = std::chrono::steady_clock::now();
     if (r->src >= 0) {
       if (!peer_alive_(r->src)) failWait(*r, true, r->src);
-      if (now >= deadline) failWait(*r, false, r->src);
+      if (now >= deadline) failWait(*r, false, r->src, limit);
       // Sleeps on the source's ring; short slices, so that a receive that
       // another thread completes is noticed too.
       waitFor(channel(r->src, rank_).sent, seen + 1,
@@ -274,7 +290,7 @@ void ShmP2P::wait(const RequestPtr& r) {
       for (int s = 0; s < size_; ++s) {
         if (s != rank_ && !peer_alive_(s)) failWait(*r, true, s);
       }
-      if (now >= deadline) failWait(*r, false, -1);
+      if (now >= deadline) failWait(*r, false, -1, limit);
       sched_yield();
     }
   }
@@ -285,13 +301,14 @@ int ShmP2P::sourceOf(const RequestPtr& r) const {
   return r->from;
 }
 
-void ShmP2P::failWait(const Request& r, bool dead, int peer) const {
+void ShmP2P::failWait(const Request& r, bool dead, int peer,
+                      std::chrono::milliseconds limit) const {
   const std::string from = r.src >= 0 ? "rank " + std::to_string(r.src) : "any rank";
   throw std::runtime_error(
       "dsp recv on rank " + std::to_string(rank_) + " from " + from + " (" +
       tagText(r.tag) + ", " + std::to_string(r.bytes) + " bytes): " +
       (dead ? "rank " + std::to_string(peer) + " has exited"
-            : "nothing arrived within " + std::to_string(timeout_.count()) + " ms"));
+            : "nothing arrived within " + std::to_string(limit.count()) + " ms"));
 }
 
 }  // namespace dsp

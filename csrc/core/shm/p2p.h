@@ -20,6 +20,7 @@
 // Thread-safe. Plain C++17, no torch.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -49,7 +50,11 @@ class ShmP2P {
          std::function<bool(int)> peer_alive);
 
   size_t maxMessageBytes() const;
+  // Thread-safe; applies to the sends and receives that start after it.
   void setTimeout(std::chrono::milliseconds t);
+  // Thread-safe: a send or receive waiting now (within a few ms) or later
+  // throws `reason` instead of waiting.
+  void abort(const std::string& reason);
 
   // Copies `bytes` from `data` into dst's ring. Throws std::runtime_error
   // (naming the peer) when the ring stays full past the timeout or the peer
@@ -65,8 +70,10 @@ class ShmP2P {
   // Throws the receive's error (a size mismatch).
   bool test(const RequestPtr& r);
   // Blocks until the receive completes; throws on a size mismatch, a dead
-  // peer or the timeout, naming the peer and tag.
-  void wait(const RequestPtr& r);
+  // peer or the timeout (the group's, or `timeout` when positive), naming the
+  // peer and tag.
+  void wait(const RequestPtr& r,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // The rank the message came from (for any-source receives), once complete.
   int sourceOf(const RequestPtr& r) const;
 
@@ -83,13 +90,20 @@ class ShmP2P {
   // oldest matching posted receive or to the unexpected queue. Needs mutex_.
   void drainLocked(int src);
   bool matchUnexpectedLocked(Request& r);
-  [[noreturn]] void failWait(const Request& r, bool dead, int peer) const;
+  [[noreturn]] void failWait(const Request& r, bool dead, int peer,
+                             std::chrono::milliseconds limit = {}) const;
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
+  }
+  void throwIfAborted() const;
 
   char* region_;
   int rank_;
   int size_;
   size_t ring_bytes_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeout_ms_;
+  std::atomic<bool> aborted_{false};
+  std::string abort_reason_;  // under mutex_
   WaitPolicy policy_;
   std::function<bool(int)> peer_alive_;
 

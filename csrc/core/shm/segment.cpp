@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,11 +42,15 @@ void* mapFd(int fd, size_t bytes, const std::string& name) {
 Segment::Segment(std::string name, void* data, size_t size, bool owner)
     : name_(std::move(name)), data_(data), size_(size), linked_(owner) {}
 
-Segment::Segment(Segment&& other) noexcept { *this = std::move(other); }
+Segment::Segment(Segment&& other) noexcept
+    : name_(std::move(other.name_)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      linked_(std::exchange(other.linked_, false)) {}
 
 Segment& Segment::operator=(Segment&& other) noexcept {
   if (this != &other) {
-    this->~Segment();
+    release();
     name_ = std::move(other.name_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
@@ -54,10 +59,13 @@ Segment& Segment::operator=(Segment&& other) noexcept {
   return *this;
 }
 
-Segment::~Segment() {
+Segment::~Segment() { release(); }
+
+void Segment::release() noexcept {
   unlink();
   if (data_ != nullptr) munmap(data_, size_);
   data_ = nullptr;
+  size_ = 0;
 }
 
 void Segment::unlink() {
@@ -100,6 +108,31 @@ Segment Segment::create(const std::string& name, size_t bytes) {
     errno = err;
     throw sysError("ftruncate", name);
   }
+  // ftruncate only sets the size: on a tmpfs that is too small the first
+  // touch of a missing page kills the process with SIGBUS, long after this
+  // call. Reserving every page now turns that into an error here.
+  const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err != 0) {
+    struct statvfs vfs {};
+    const bool known = fstatvfs(fd, &vfs) == 0;
+    close(fd);
+    shm_unlink(name.c_str());
+    if (err == ENOSPC || err == EFBIG) {
+      const unsigned long long free_bytes =
+          known ? static_cast<unsigned long long>(vfs.f_bavail) * vfs.f_frsize : 0;
+      throw NoSpaceError(
+          "dsp: shared memory (/dev/shm) is too small for this process group: its "
+          "segment needs " +
+          std::to_string(bytes) + " bytes but only " +
+          (known ? std::to_string(free_bytes) : std::string("an unknown number of")) +
+          " bytes are free. Fix: give /dev/shm more room (docker run --shm-size=1g, "
+          "or a Kubernetes emptyDir with medium: Memory), or shrink the segment "
+          "with smaller DSP_CHUNK_BYTES / DSP_P2P_RING_BYTES (the same on every "
+          "rank).");
+    }
+    errno = err;
+    throw sysError("posix_fallocate", name);
+  }
   try {
     return Segment(name, mapFd(fd, bytes, name), bytes, /*owner=*/true);
   } catch (...) {
@@ -114,7 +147,25 @@ Segment Segment::attach(const std::string& name, size_t bytes,
     const int fd = shm_open(name.c_str(), O_RDWR, 0);
     if (fd >= 0) {
       struct stat st {};
-      if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) {
+      if (fstat(fd, &st) != 0) {
+        const int err = errno;
+        close(fd);
+        errno = err;
+        throw sysError("fstat", name);
+      }
+      // Only a segment that our own user made private is ours: anything else
+      // under this name is someone else's, and mapping it would hand them
+      // (or us) the other's data.
+      if (st.st_uid != geteuid() || (st.st_mode & 0777) != kSegmentMode) {
+        close(fd);
+        char mode[8];
+        std::snprintf(mode, sizeof(mode), "%03o", static_cast<unsigned>(st.st_mode & 0777));
+        throw std::runtime_error("dsp: shared-memory segment " + name + " is owned by uid " +
+                                 std::to_string(st.st_uid) + " with mode " + mode +
+                                 ", not by this process's uid " +
+                                 std::to_string(geteuid()) + " with mode 600: refusing it");
+      }
+      if (static_cast<size_t>(st.st_size) >= bytes) {
         return Segment(name, mapFd(fd, bytes, name), bytes, /*owner=*/false);
       }
       close(fd);  // created but not yet sized: retry

@@ -5,17 +5,24 @@
 
 #include <chrono>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 
 namespace dsp {
 
+// Raised by Segment::create when /dev/shm cannot hold the segment.
+class NoSpaceError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class Segment {
  public:
-  // Creates a new segment of `bytes` zero-filled bytes. Fails if the name
-  // exists (O_EXCL), so two jobs can never share one by accident.
+  // Creates a new segment of `bytes` zero-filled bytes, every page reserved
+  // (NoSpaceError when /dev/shm cannot hold it). Fails if the name exists
+  // (O_EXCL), so two jobs can never share one by accident.
   static Segment create(const std::string& name, size_t bytes);
   // Attaches to a segment made by `create`, retrying until it appears or the
-  // deadline passes.
+  // deadline passes. Refuses a segment of another user or another mode.
   static Segment attach(const std::string& name, size_t bytes,
                         std::chrono::steady_clock::time_point deadline);
   // A fresh name: "/dsp-" + 128 random bits from the OS.
@@ -37,6 +44,8 @@ class Segment {
 
  private:
   Segment(std::string name, void* data, size_t size, bool owner);
+  // Unlinks (owner) and unmaps; leaves the object empty.
+  void release() noexcept;
 
   std::string name_;
   void* data_ = nullptr;
