@@ -68,7 +68,8 @@ def main() -> int:
     args = p.parse_args()
     start = time.time()
     results = run_suite(args.backend, args.world, args.pytest_args)
-    counts = {k: sum(1 for v in results.values() if v == k) for k in ("passed", "skipped", "failed")}
+    kinds = ("passed", "skipped", "failed")
+    counts = {k: sum(1 for v in results.values() if v == k) for k in kinds}
     print(
         f"conformance: {args.backend} at world {args.world}: {len(results)} tests, "
         f"{counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed "

@@ -19,8 +19,9 @@ if not dist.is_available():
     print("torch.distributed is not available")
     sys.exit(0)
 
-import dsparallel  # noqa: F401,E402  (registers "dsp")
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+
+import dsparallel  # noqa: F401,E402  (registers "dsp")
 
 BACKEND = os.environ["BACKEND"]
 if BACKEND == "dsp":
