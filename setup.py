@@ -1,12 +1,15 @@
-"""Builds dsparallel and its one extension module, dsparallel._C.
+"""Builds dsparallel's one extension module, dsparallel._C (the package's
+metadata is in pyproject.toml).
 
 Install over an existing torch without build isolation (build isolation would
-fetch a second torch):  pip install --no-build-isolation .
+fetch a second torch, and the extension must be built against the torch it
+will run with):  pip install --no-build-isolation .
 """
 
 import glob
 import os
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -28,6 +31,17 @@ def sources():
     return [os.path.relpath(f, ROOT) for f in found]
 
 
+def record_torch_version():
+    """The torch this build is against: dsparallel refuses to load under
+    another one with a clear ImportError (dsparallel/_loader.py)."""
+    with open(os.path.join(ROOT, "dsparallel", "_build_info.py"), "w") as f:
+        f.write(
+            f'"""Written by setup.py at build time."""\n\nTORCH_VERSION = {torch.__version__!r}\n'
+        )
+
+
+record_torch_version()
+
 ext = CppExtension(
     name="dsparallel._C",
     sources=sources(),
@@ -39,12 +53,8 @@ ext = CppExtension(
 )
 
 setup(
-    name="dsparallel",
-    version="0.1.0",
-    description="Data, tensor and pipeline parallel training for PyTorch",
     packages=find_packages(include=["dsparallel", "dsparallel.*"]),
+    py_modules=["dsparallel_autoload"],
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
 )

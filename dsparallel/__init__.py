@@ -5,6 +5,11 @@ Importing the package registers the torch.distributed backend ``"dsp"``.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
+from ._loader import load_extension
+from ._version import __version__
+
+load_extension()  # before any module that imports _C: a clear error on a torch mismatch
+
 from . import backend, comm_hooks, tensor_parallel
 from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
@@ -13,7 +18,6 @@ from .parallel_state import ParallelState, destroy_parallel, get_parallel_state,
 
 backend.register()
 
-__version__ = "0.1.0"
 __all__ = [
     "DDP",
     "DistributedDataParallel",

@@ -21,7 +21,7 @@ PY=${PYTHON:-python3}
 # Always pin torch: a bare 'torch' would pull a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check \
   "torch==${DSP_TORCH_VERSION:-2.13.0}" numpy matplotlib pytest pytest-timeout ninja ruff \
-  setuptools wheel
+  setuptools wheel expecttest
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build

@@ -526,6 +526,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
   });
 }
 
+void ProcessGroupDSP::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  // gloo's monitored barrier (which names the ranks that did not arrive),
+  // after the work already queued here, like any collective of this group.
+  auto work = enqueue(c10d::OpType::BARRIER, nullptr, {}, [this, opts, wait_all_ranks] {
+    flat("monitored_barrier").monitoredBarrier(opts, wait_all_ranks);
+  });
+  work->wait();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
     const c10d::BarrierOptions& opts) {
   if (multiHost()) {

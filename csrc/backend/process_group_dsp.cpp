@@ -99,12 +99,17 @@ bool WorkDSP::wait(std::chrono::milliseconds timeout) {
 // Which engine serves a call: NCCL for CUDA tensors, the world gloo group for
 // a call that spans hosts; null for our shared memory.
 c10d::Backend& ProcessGroupDSP::flat(const char* what) {
-  TORCH_CHECK(p2p_, "dsp ", what, ": a group spanning hosts needs its gloo group");
+  TORCH_CHECK(p2p_, "dsp ", what, ": this call needs the group's internal gloo group");
   return *p2p_;
 }
 
 c10d::Backend* ProcessGroupDSP::route(const at::Tensor& t, const char* what,
                                       bool across_hosts) {
+  if (t.is_sparse()) {
+    // Sparse all-reduce exchanges indices and values of varying length: gloo
+    // (our internal group) already does it, so sparse tensors go there.
+    return &flat(what);
+  }
   if (t.is_cuda()) {
     TORCH_CHECK(cuda_, "dsp ", what, ": the tensor is on ", t.device(),
                 " but this group has no NCCL backend (torch without CUDA or NCCL, or "

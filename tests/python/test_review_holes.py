@@ -270,3 +270,24 @@ def test_cuda_build_check_fails_under_ci_when_torch_cannot_be_installed(tmp_path
     )
     assert out.returncode != 0, out.stdout + out.stderr
     assert "FAILED" in out.stderr, out.stderr
+
+
+def _monitored_barrier_body(rank, world):
+    pg = dist.distributed_c10d._get_default_group()
+    dist.all_reduce(torch.ones(4), async_op=True)  # queued work first
+    pg.monitored_barrier(timedelta(seconds=20))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:  # rank 1 stays away: the barrier names it
+        _expect_error(
+            lambda: pg.monitored_barrier(timedelta(seconds=1)), "Rank 1", "monitoredBarrier"
+        )
+        store.set("done", "1")
+    else:
+        store.wait(["done"])
+
+
+def test_monitored_barrier_names_the_missing_rank():
+    """torch's Python front accepts monitored_barrier for gloo only; the
+    process group's own call reaches our implementation (gloo's, after the
+    queued work)."""
+    run_ranks(_monitored_barrier_body, 2)

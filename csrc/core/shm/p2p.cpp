@@ -277,6 +277,15 @@ void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
       if (r->src >= 0) seen = read_count_[r->src];
     }
     if (test(r)) return;
+    if (r->src >= 0) {
+      // Take in what the other peers sent meanwhile, as a blocked send does:
+      // a peer may be blocked sending to us while the rank we wait for is
+      // itself blocked behind that peer (a cycle through full rings).
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (int s = 0; s < size_; ++s) {
+        if (s != rank_ && s != r->src) drainLocked(s);
+      }
+    }
     const auto now = std::chrono::steady_clock::now();
     if (r->src >= 0) {
       if (!peer_alive_(r->src)) failWait(*r, true, r->src);
