@@ -6,7 +6,7 @@ Importing the package registers the torch.distributed backend ``"dsp"``.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from ._loader import load_extension
-from ._version import __version__
+from ._version import __version__  # noqa: F401  (the package version)
 
 load_extension()  # before any module that imports _C: a clear error on a torch mismatch
 
