@@ -96,6 +96,7 @@ PYBIND11_MODULE(_C, m) {
            // Construction rendezvouses with the peers: never hold the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &dsparallel::ProcessGroupDSP::segmentName)
+      .def_property_readonly("segment_bytes", &dsparallel::ProcessGroupDSP::segmentBytes)
       .def_property_readonly("hierarchical", &dsparallel::ProcessGroupDSP::hierarchical)
       .def_property_readonly("multi_host", &dsparallel::ProcessGroupDSP::multiHost)
       .def_property_readonly("hierarchical_calls",

@@ -15,6 +15,7 @@ from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .ops import fused_all_reduce
 from .parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
+from .zero import ZeroRedundancyOptimizer
 
 backend.register()
 
@@ -30,4 +31,5 @@ __all__ = [
     "get_parallel_state",
     "init_parallel",
     "tensor_parallel",
+    "ZeroRedundancyOptimizer",
 ]

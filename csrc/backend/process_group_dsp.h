@@ -170,6 +170,7 @@ class ProcessGroupDSP : public c10d::Backend {
 
   // The shared-memory segment name (tests check it is gone from /dev/shm).
   const std::string& segmentName() const { return segment_name_; }
+  size_t segmentBytes() const { return comm_->segmentBytes(); }
   // True when the group spans several hosts.
   bool multiHost() const {
     return topology_.local_size > 0 && topology_.local_size != getSize();

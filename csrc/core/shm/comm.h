@@ -161,6 +161,8 @@ class ShmComm {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Bytes of the segment, all reserved in /dev/shm while the group lives.
+  size_t segmentBytes() const { return segment_.size(); }
   // Thread-safe: read by callers while another thread runs a collective.
   uint64_t sequenceNumber() const { return seq_.load(std::memory_order_relaxed); }
   // options().timeout is the initial timeout; timeout() the current one.

@@ -1,0 +1,72 @@
+"""How much /dev/shm a "dsp" group needs, and whether the GPT job fits in a
+container's usual 64 MB.
+
+    python benchmarks/shm_size.py                 # segment bytes per group size
+    sudo python benchmarks/shm_size.py --job      # + the GPT job in a 64 MB /dev/shm
+
+Each group on a host reserves its whole segment at creation; the table is
+read from the backend (``segment_bytes``). With ``--job`` (needs root: a
+private mount namespace with its own tmpfs on /dev/shm) the training job runs
+a few steps at 4 and 8 ranks with only 64 MB of /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from launch import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _segment_bytes(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import dsparallel  # noqa: F401
+
+    dist.init_process_group("dsp")
+    be = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    n = be.segment_bytes
+    dist.destroy_process_group()
+    return n
+
+
+def _job(nproc: int, shm_mb: int) -> str:
+    cmd = (
+        f"mount -t tmpfs -o size={shm_mb}m tmpfs /dev/shm && "
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node {nproc} "
+        f"{ROOT}/examples/train_gpt.py --steps 5 --plot /dev/null"
+    )
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    text = out.stdout + out.stderr
+    summary = next((ln for ln in text.splitlines() if ln.startswith("summary:")), None)
+    if out.returncode == 0 and summary:
+        return "ran (" + summary[:60] + "...)"
+    return f"FAILED rc={out.returncode}: " + text.strip().splitlines()[-1][:200]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4, 8])
+    p.add_argument("--job", action="store_true")
+    args = p.parse_args()
+    print("ranks  segment bytes per group (default DSP_CHUNK_BYTES, DSP_P2P_RING_BYTES)")
+    for w in args.worlds:
+        n = run_ranks(_segment_bytes, w)
+        print(f"{w:5d}  {n:12d}  ({n / 1e6:.1f} MB)")
+    if args.job:
+        for nproc in (4, 8):
+            print(f"GPT job, {nproc} ranks, /dev/shm of 64 MB: {_job(nproc, 64)}")
+
+
+if __name__ == "__main__":
+    main()

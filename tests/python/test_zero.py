@@ -1,0 +1,211 @@
+"""ZeRO stage 1 (dsparallel.ZeroRedundancyOptimizer), held against the plain
+single-process computation: AdamW with weight decay and global-norm clipping
+on a model whose parameter sizes do not divide by the world size, checkpoints
+resharded across world sizes, consolidation into a plain AdamW, bad input;
+and torch's FSDP2 (fully_shard) over "dsp"."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from torch import nn
+
+import dsparallel
+
+STEPS = 20
+LR = dict(lr=3e-3, weight_decay=0.1)
+CLIP = 0.5
+
+
+def _model():
+    torch.manual_seed(0)  # sizes 7x13+13, 5x7+5, 3x5+3: none divides by 2, 3 or 4
+    return nn.Sequential(nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _batch(step, n=24):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 13, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _reference(steps=STEPS):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), **LR)
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return model
+
+
+def _train(rank, world, ddp_class, opt_factory, steps=STEPS, clip=None):
+    model = _model()
+    ddp = ddp_class(model)
+    opt = opt_factory(model.parameters())
+    for step in range(steps):
+        x, y = _batch(step)
+        mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+        clip(model, opt)
+        opt.step()
+    return model
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+
+
+def _equivalence_body(rank, world):
+    ref = _reference()
+    ours = _train(
+        rank,
+        world,
+        dsparallel.DistributedDataParallel,
+        lambda ps: dsparallel.ZeroRedundancyOptimizer(ps, torch.optim.AdamW, **LR),
+        clip=lambda m, opt: opt.clip_grad_norm_(CLIP),
+    )
+    _close(ours, ref)
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    theirs = _train(
+        rank,
+        world,
+        nn.parallel.DistributedDataParallel,
+        lambda ps: TorchZero(ps, torch.optim.AdamW, **LR),
+        clip=lambda m, opt: nn.utils.clip_grad_norm_(m.parameters(), CLIP),
+    )
+    _close(ours, theirs)
+    # Each rank holds about 1/world of the state.
+    opt = dsparallel.ZeroRedundancyOptimizer(_model().parameters(), torch.optim.AdamW)
+    total = sum(p.numel() for p in _model().parameters())
+    assert sum(s.param.numel() for s in opt._shards) == -(-total // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_adamw_with_clipping_equals_one_process_and_torch_zero(world):
+    run_ranks(_equivalence_body, world)
+
+
+def _consolidate_body(rank, world):
+    model = _model()
+    ddp = dsparallel.DistributedDataParallel(model)
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
+    for step in range(5):
+        x, y = _batch(step)
+        mine = slice(rank * 12, rank * 12 + 12)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        # The consolidated state loads into a plain AdamW, which continues
+        # exactly as the one-process run does.
+        plain_model = _model()
+        plain_model.load_state_dict(model.state_dict())
+        plain = torch.optim.AdamW(plain_model.parameters(), **LR)
+        plain.load_state_dict(opt.state_dict())
+        ref = _model()
+        ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+        for step in range(8):
+            for m, o in ((ref, ref_opt), (plain_model, plain)) if step >= 5 else ((ref, ref_opt),):
+                x, y = _batch(step)
+                o.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+        _close(plain_model, ref)
+
+
+def test_consolidated_state_loads_into_plain_adamw():
+    run_ranks(_consolidate_body, 2)
+
+
+def _resume_body(rank, world, path, save):
+    model = _model()
+    ddp = dsparallel.DistributedDataParallel(model)
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
+    first = 0
+    if not save:
+        model.load_state_dict(torch.load(os.path.join(path, "model.pt")))
+        shards = [torch.load(os.path.join(path, f)) for f in sorted(os.listdir(path)) if "opt" in f]
+        opt.load_state_dict(shards)
+        first = 5
+    losses = []
+    for step in range(first, 10):
+        x, y = _batch(step)
+        mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x[mine]), y[mine])
+        loss.backward()
+        opt.step()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, op=dist.ReduceOp.AVG)
+        losses.append(whole.item())
+        if save and step == 4:
+            torch.save(opt.state_dict(), os.path.join(path, f"opt{rank}.pt"))
+            if rank == 0:
+                torch.save(model.state_dict(), os.path.join(path, "model.pt"))
+    return losses
+
+
+@pytest.mark.parametrize("resume_world", [4, 1])
+def test_save_at_two_ranks_resume_at_another_world_size(tmp_path, resume_world):
+    uninterrupted = run_ranks(_resume_body, 2, str(tmp_path), True)[0]
+    resumed = run_ranks(_resume_body, resume_world, str(tmp_path), False)[0]
+    torch.testing.assert_close(resumed, uninterrupted[5:], rtol=1e-6, atol=1e-7)
+
+
+def _bad_input_body(rank, world):
+    def expect(kind, fn, *needles):
+        with pytest.raises(kind) as e:
+            fn()
+        for n in needles:
+            assert n in str(e.value), (n, str(e.value))
+
+    model = _model()
+    expect(TypeError, lambda: dsparallel.ZeroRedundancyOptimizer(model.parameters(), nn.Linear))
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)
+    expect(TypeError, lambda: opt.step(closure=3), "closure must be callable")
+    other = nn.Linear(13, 7 if rank == 0 else 8)
+    expect(
+        ValueError,
+        lambda: dsparallel.ZeroRedundancyOptimizer(other.parameters(), torch.optim.AdamW),
+        "parameter 0 of group 0",
+        "on rank 1",
+    )
+    wrong = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 3)}}}
+    wrong["param_groups"] = opt.state_dict()["param_groups"]
+    expect(ValueError, lambda: opt.load_state_dict(wrong), "parameter 0", "(7, 13)")
+
+
+def test_bad_input_raises_on_every_rank():
+    run_ranks(_bad_input_body, 2)
+
+
+def _fsdp2_body(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
+    model = _model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **LR)
+    for step in range(10):
+        x, y = _batch(step)
+        mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        for m, o, xs, ys in ((model, opt, x[mine], y[mine]), (ref, ref_opt, x, y)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(xs), ys).backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp2_over_dsp_equals_one_process():
+    run_ranks(_fsdp2_body, 2)
