@@ -2,12 +2,14 @@
 container's usual 64 MB.
 
     python benchmarks/shm_size.py                 # segment bytes per group size
-    sudo python benchmarks/shm_size.py --job      # + the GPT job in a 64 MB /dev/shm
+    sudo python benchmarks/shm_size.py --job 64 256   # + the GPT job in a 64 / 256 MB /dev/shm
 
 Each group on a host reserves its whole segment at creation; the table is
-read from the backend (``segment_bytes``). With ``--job`` (needs root: a
-private mount namespace with its own tmpfs on /dev/shm) the training job runs
-a few steps at 4 and 8 ranks with only 64 MB of /dev/shm.
+read from the backend (``segment_bytes``). With ``--job MB ...`` (needs root:
+a private mount namespace with its own tmpfs on /dev/shm) the training job
+(tp 2 x pp 2 x dp 1 or 2: a group for the world and one per tensor-, pipeline-
+and data-parallel group of two or more ranks) runs a few steps at 4 and 8
+ranks with that much /dev/shm.
 """
 
 from __future__ import annotations
@@ -57,15 +59,15 @@ def _job(nproc: int, shm_mb: int) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4, 8])
-    p.add_argument("--job", action="store_true")
+    p.add_argument("--job", type=int, nargs="*", default=[], metavar="MB")
     args = p.parse_args()
     print("ranks  segment bytes per group (default DSP_CHUNK_BYTES, DSP_P2P_RING_BYTES)")
     for w in args.worlds:
         n = run_ranks(_segment_bytes, w)
-        print(f"{w:5d}  {n:12d}  ({n / 1e6:.1f} MB)")
-    if args.job:
+        print(f"{w:5d}  {n:12d}  ({n / 1e6:.1f} MB)", flush=True)
+    for mb in args.job:
         for nproc in (4, 8):
-            print(f"GPT job, {nproc} ranks, /dev/shm of 64 MB: {_job(nproc, 64)}")
+            print(f"GPT job, {nproc} ranks, /dev/shm of {mb} MB: {_job(nproc, mb)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ size_t ShmP2P::regionBytes(int size, size_t ring_bytes) {
 
 size_t ShmP2P::defaultRingBytes(int size) {
   if (size <= 1) return kPage;
-  // About 64 MiB of rings at most (touched only as they are used), 1 MiB each
-  // for small groups; a power of two between 64 KiB and 1 MiB.
+  // About 64 MiB of rings at most (reserved in /dev/shm with the segment),
+  // 1 MiB each for small groups; a power of two between 64 KiB and 1 MiB.
   const size_t budget = (size_t{64} << 20) / (static_cast<size_t>(size) * (size - 1));
   size_t ring = size_t{1} << 20;
   while (ring > budget && ring > (size_t{64} << 10)) ring >>= 1;
