@@ -148,7 +148,8 @@ def test_ranks_in_separate_ipc_namespaces_go_over_gloo():
         dist.all_gather(outs, torch.full((5,), float(rank)))
         assert all(torch.equal(o, torch.full((5,), float(r))) for r, o in enumerate(outs))
         be = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        print("rank", rank, "OK hierarchical", be.hierarchical_calls)
+        print("rank", rank, "OK hierarchical", be.hierarchical_calls, flush=True)
+        dist.barrier()  # neither host tears its gloo pairs down while the other still talks
         dist.destroy_process_group()
         """
     )
