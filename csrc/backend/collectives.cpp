@@ -271,12 +271,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather_coalesced(
   TORCH_CHECK(!inputs.empty(), "dsp all_gather_coalesced: no input tensors given");
   checkListSize(outputs.size(), getSize(), "all_gather_coalesced", "the output lists");
   for (size_t r = 0; r < outputs.size(); ++r) {
-    TORCH_CHECK(outputs[r].size() == inputs.size(), "dsp all_gather_coalesced: output list ",
-                r, " holds ", outputs[r].size(), " tensors for ", inputs.size(),
-                " inputs (one per input)");
+    TORCH_CHECK(outputs[r].size() == inputs.size(),
+                "dsp all_gather_coalesced: output list ", r, " holds ", outputs[r].size(),
+                " tensors for ", inputs.size(), " inputs (one per input)");
   }
   std::vector<at::Tensor> all_outputs;
-  for (const auto& list : outputs) all_outputs.insert(all_outputs.end(), list.begin(), list.end());
+  for (const auto& list : outputs)
+    all_outputs.insert(all_outputs.end(), list.begin(), list.end());
   return coalesced(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", all_outputs,
                    inputs, [&](size_t i) {
                      std::vector<std::vector<at::Tensor>> o(1);
@@ -383,11 +384,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
   auto info = callInfo(Collective::kReduceScatter, output,
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter_tensor"));
   if (hierarchical()) {
-    return enqueue(
-        c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
-        [this, input, output, op = opts.reduceOp] {
-          hierarchicalReduceScatter(input.reshape({getSize(), -1}).unbind(0), output, op);
-        });
+    return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
+                   [this, input, output, op = opts.reduceOp] {
+                     hierarchicalReduceScatter(input.reshape({getSize(), -1}).unbind(0),
+                                               output, op);
+                   });
   }
   return enqueue(
       c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output}, [this, input, output, info] {
@@ -413,8 +414,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
               "dsp reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
               inputs.size(), " inputs");
   return coalesced(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                   "reduce_scatter_tensor_coalesced", outputs,
-                   inputs,
+                   "reduce_scatter_tensor_coalesced", outputs, inputs,
                    [&](size_t i) { _reduce_scatter_base(outputs[i], inputs[i], opts); });
 }
 
@@ -526,7 +526,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
   });
 }
 
-void ProcessGroupDSP::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+void ProcessGroupDSP::monitoredBarrier(const c10d::BarrierOptions& opts,
+                                       bool wait_all_ranks) {
   // gloo's monitored barrier (which names the ranks that did not arrive),
   // after the work already queued here, like any collective of this group.
   auto work = enqueue(c10d::OpType::BARRIER, nullptr, {}, [this, opts, wait_all_ranks] {

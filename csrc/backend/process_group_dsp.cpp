@@ -83,9 +83,8 @@ bool WorkDSP::wait(std::chrono::milliseconds timeout) {
                       std::to_string(pg_->getRank()) +
                       "; the ranks of this process group are out of step, so it "
                       "refuses further work: create a new group");
-      TORCH_CHECK(false, "dsp: Work.wait timed out after ", timeout.count(),
-                  " ms (rank ", pg_->getRank(),
-                  "); this process group is now unusable");
+      TORCH_CHECK(false, "dsp: Work.wait timed out after ", timeout.count(), " ms (rank ",
+                  pg_->getRank(), "); this process group is now unusable");
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -169,7 +168,8 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
     const auto bytes = store->get(kSegmentKey);
     segment_name_.assign(bytes.begin(), bytes.end());
     if (segment_name_.rfind(kSegmentError, 0) == 0) {
-      TORCH_CHECK(false, segment_name_.substr(std::char_traits<char>::length(kSegmentError)),
+      TORCH_CHECK(false,
+                  segment_name_.substr(std::char_traits<char>::length(kSegmentError)),
                   " (reported by rank 0 of this host's shared-memory group)");
     }
   }
@@ -190,8 +190,9 @@ ProcessGroupDSP::~ProcessGroupDSP() {
 void ProcessGroupDSP::shutdown() { passOn(&c10d::Backend::shutdown); }
 
 void ProcessGroupDSP::abort() {
-  breakGroup("dsp: this process group was aborted (abort() was called); its ranks are "
-             "out of step, so it refuses further work: create a new group");
+  breakGroup(
+      "dsp: this process group was aborted (abort() was called); its ranks are "
+      "out of step, so it refuses further work: create a new group");
   passOn(&c10d::Backend::abort);
 }
 
@@ -273,8 +274,7 @@ bool ProcessGroupDSP::waitFor(WorkDSP* work, std::chrono::milliseconds timeout) 
   // have the group's deadline, not this one. The worker runs it.
   std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
   std::unique_lock<std::mutex> lock(mutex_);
-  const bool done =
-      cv_.wait_for(lock, timeout, [work] { return work->isCompleted(); });
+  const bool done = cv_.wait_for(lock, timeout, [work] { return work->isCompleted(); });
   finished.swap(finished_);
   lock.unlock();
   return done;

@@ -24,7 +24,9 @@ using testing::expectThrowWith;
 using testing::messageOf;
 using testing::runRanks;
 
-bool exists(const std::string& name) { return access(("/dev/shm" + name).c_str(), F_OK) == 0; }
+bool exists(const std::string& name) {
+  return access(("/dev/shm" + name).c_str(), F_OK) == 0;
+}
 
 TEST(Segment, MoveAssignReleasesTheOldSegmentAndTakesTheNew) {
   const std::string a_name = Segment::randomName();
@@ -139,7 +141,8 @@ TEST(ShmComm, AbortWakesAWaitingRankAndRefusesLaterWork) {
     });
     int64_t x = 1;
     expectThrowWith<PeerError>([&] { comm.allReduce(&x, &x, 1, allReduceInfo(1)); },
-                               {"aborted by the test"}, "the abort did not wake the wait");
+                               {"aborted by the test"},
+                               "the abort did not wake the wait");
     aborter.join();
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
     expectThrowWith<PeerError>([&] { comm.barrier(); }, {"aborted by the test"},

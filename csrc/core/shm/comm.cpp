@@ -85,7 +85,7 @@ struct Descriptor {
   uint64_t seq;
   uint64_t count;
   uint32_t ndim;
-  uint32_t tensors;      // coalesced calls: how many tensors (0: one)
+  uint32_t tensors;  // coalesced calls: how many tensors (0: one)
   int64_t dims[kMaxDims];
   uint64_t shapes_hash;  // coalesced calls: hashShapes of all of them
   char tail[16];
@@ -249,9 +249,9 @@ void ShmComm::arriveAndWait(uint32_t step) {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const RankControl& peer = control(r);
-    const WaitResult res =
-        waitFor(peer.step, step, deadline_, wait_policy_,
-                [&] { return !aborted() && processAlive(peer.pid.load()); });
+    const WaitResult res = waitFor(peer.step, step, deadline_, wait_policy_, [&] {
+      return !aborted() && processAlive(peer.pid.load());
+    });
     if (res != WaitResult::kReached) {
       if (aborted()) failAborted();
       failWaiting(step, res == WaitResult::kCancelled);
@@ -299,8 +299,8 @@ void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
     first = false;
   }
   std::ostringstream msg;
-  msg << "dsp: " << collectiveName(current_) << " #" << sequenceNumber() << " on rank " << rank_
-      << " failed: rank(s) [" << missing.str() << "] did not arrive";
+  msg << "dsp: " << collectiveName(current_) << " #" << sequenceNumber() << " on rank "
+      << rank_ << " failed: rank(s) [" << missing.str() << "] did not arrive";
   if (dead_peer) {
     msg << " (a peer process died).";
   } else {
@@ -379,8 +379,8 @@ void ShmComm::checkSplits(uint32_t step) const {
       const uint64_t expected = control(j).recv_bytes[p][i];
       if (sent != expected) {
         std::ostringstream msg;
-        msg << "dsp: all_to_all #" << sequenceNumber() << ": rank " << i << " sends " << sent
-            << " bytes to rank " << j << ", which expects " << expected
+        msg << "dsp: all_to_all #" << sequenceNumber() << ": rank " << i << " sends "
+            << sent << " bytes to rank " << j << ", which expects " << expected
             << " bytes from it (split sizes must match across ranks)";
         throw MismatchError(msg.str());
       }

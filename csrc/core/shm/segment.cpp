@@ -113,7 +113,7 @@ Segment Segment::create(const std::string& name, size_t bytes) {
   // call. Reserving every page now turns that into an error here.
   const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (err != 0) {
-    struct statvfs vfs {};
+    struct statvfs vfs{};
     const bool known = fstatvfs(fd, &vfs) == 0;
     close(fd);
     shm_unlink(name.c_str());
@@ -146,7 +146,7 @@ Segment Segment::attach(const std::string& name, size_t bytes,
   for (;;) {
     const int fd = shm_open(name.c_str(), O_RDWR, 0);
     if (fd >= 0) {
-      struct stat st {};
+      struct stat st{};
       if (fstat(fd, &st) != 0) {
         const int err = errno;
         close(fd);
@@ -159,11 +159,13 @@ Segment Segment::attach(const std::string& name, size_t bytes,
       if (st.st_uid != geteuid() || (st.st_mode & 0777) != kSegmentMode) {
         close(fd);
         char mode[8];
-        std::snprintf(mode, sizeof(mode), "%03o", static_cast<unsigned>(st.st_mode & 0777));
-        throw std::runtime_error("dsp: shared-memory segment " + name + " is owned by uid " +
-                                 std::to_string(st.st_uid) + " with mode " + mode +
-                                 ", not by this process's uid " +
-                                 std::to_string(geteuid()) + " with mode 600: refusing it");
+        std::snprintf(mode, sizeof(mode), "%03o",
+                      static_cast<unsigned>(st.st_mode & 0777));
+        throw std::runtime_error("dsp: shared-memory segment " + name +
+                                 " is owned by uid " + std::to_string(st.st_uid) +
+                                 " with mode " + mode + ", not by this process's uid " +
+                                 std::to_string(geteuid()) +
+                                 " with mode 600: refusing it");
       }
       if (static_cast<size_t>(st.st_size) >= bytes) {
         return Segment(name, mapFd(fd, bytes, name), bytes, /*owner=*/false);
