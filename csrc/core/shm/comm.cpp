@@ -17,6 +17,7 @@ namespace {
 
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
+constexpr size_t kSoloChunkBytes = size_t{64} << 10;
 constexpr uint64_t kMagic = 0x6473702d73686d31ull;  // "dsp-shm1"
 
 size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -138,6 +139,10 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
                                 std::to_string(kMaxRanks) + " ranks per host)");
   }
   options_.chunk_bytes = roundUp(std::max<size_t>(options_.chunk_bytes, kPage), kPage);
+  // A group of one only copies through its slots: small ones keep its
+  // reserved segment small (init_parallel makes one per rank for each
+  // parallel dimension of size one).
+  if (size == 1) options_.chunk_bytes = std::min(options_.chunk_bytes, kSoloChunkBytes);
   wait_policy_ =
       defaultWaitPolicy(options_.machine_ranks > 0 ? options_.machine_ranks : size);
   if (options_.spins >= 0) wait_policy_.spins = options_.spins;
