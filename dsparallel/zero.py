@@ -7,10 +7,11 @@ embedding unbalances it) and broadcasts every parameter after the step,
 shards here are even: the parameters of each (param group, dtype) are laid
 end to end in one flat buffer, padded to a multiple of the group size, and
 rank r owns the r-th equal slice, across parameter boundaries (Megatron-core's
-distributed optimizer). The inner ``torch.optim`` optimizer steps only that
+distributed optimizer). The parameters become views into these buffers (no
+second copy). The inner ``torch.optim`` optimizer steps only this rank's
 slice (an fp32 view, or an fp32 master copy for half-precision parameters),
-and one ``all_gather_into_tensor`` per buffer brings every rank the updated
-parameters: the same traffic as a broadcast of each shard, in one call.
+and one all-gather per buffer writes every rank the updated parameters in
+place: the same traffic as a broadcast of each shard, in one call.
 
 Gradients are whatever the user's data parallelism left in ``.grad`` (our DDP
 or torch's all-reduces them: every rank keeps the whole averaged gradient,
@@ -47,6 +48,7 @@ class _Shard:
         self.flat = torch.zeros(self.per_rank * world, dtype=self.dtype, device=params[0].device)
         with torch.no_grad():
             torch._foreach_copy_(self.views(), [p.detach() for p in params])
+        self.bind()
         owned = self.flat[self.lo : self.hi]
         # What the inner optimizer steps: a view into the buffer when it is
         # full precision, else an fp32 master copy of the slice.
@@ -54,26 +56,35 @@ class _Shard:
         self.param = torch.nn.Parameter(data, requires_grad=True)
         self.versions = self.param_versions()
 
+    def bind(self) -> None:
+        """Makes every parameter a view into the buffer: no second copy of the
+        parameters, and the all-gather writes them in place."""
+        for p, v in zip(self.params, self.views()):
+            if p.data_ptr() != v.data_ptr():
+                p.data = v
+
     def param_versions(self) -> list[int]:
+        # A parameter's own version counter moves when it is written through
+        # the parameter (``model.load_state_dict``), not through the buffer.
         return [p._version for p in self.params]
 
     @torch.no_grad()
     def refresh_if_changed(self) -> None:
-        """Takes the parameters back into the buffer when something other than
-        our step wrote them (``load_state_dict`` on the model after this
-        optimizer was made): their in-place version counters moved."""
-        if self.param_versions() == self.versions:
+        """Takes the parameters back when something other than our step wrote
+        them: rebound (``load_state_dict(assign=True)``, ``.data = ...``: copied
+        into the buffer and bound again) or written in place (the fp32 master
+        copy of a half-precision slice is refreshed)."""
+        rebound = [
+            (p, v) for p, v in zip(self.params, self.views()) if p.data_ptr() != v.data_ptr()
+        ]
+        for p, v in rebound:
+            v.copy_(p.detach())
+        self.bind()
+        if not rebound and self.param_versions() == self.versions:
             return
-        torch._foreach_copy_(self.views(), [p.detach() for p in self.params])
         owned = self.flat[self.lo : self.hi]
         if self.param.data_ptr() != owned.data_ptr():
             self.param.copy_(owned)
-
-    @torch.no_grad()
-    def publish(self) -> None:
-        """The buffer (every rank's updated slice, all-gathered) into the
-        parameters."""
-        torch._foreach_copy_(self.params, self.views())
         self.versions = self.param_versions()
 
     def views(self) -> list[torch.Tensor]:
@@ -210,8 +221,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             owned = shard.flat[shard.lo : shard.hi]
             if shard.param.data_ptr() != owned.data_ptr():
                 owned.copy_(shard.param)  # fp32 master -> the half-precision buffer
-            _all_gather(shard.flat, owned, group=self.process_group)
-            shard.publish()
+            _all_gather(shard.flat, owned, group=self.process_group)  # into the parameters
+            shard.versions = shard.param_versions()
         self._consolidated = None
         return loss
 
@@ -365,11 +376,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             entries = [whole.get(index[id(p)], {}) for p in shard.params]
             if not any(entries):
                 continue
+            # Parameters outside the loaded shards' ranges have no entry:
+            # zeros stand in (only this rank's slice is kept, and the shards
+            # saved by the ranks that cover it are what fill it).
             state = {}
-            for k in entries[0]:
-                v0 = entries[0][k]
+            for k in dict.fromkeys(k for e in entries for k in e):
+                v0 = next(e[k] for e in entries if k in e)
                 if torch.is_tensor(v0) and v0.dim() >= 1:
-                    flat = torch.cat([e[k] for e in entries])
+                    flat = torch.cat(
+                        [e[k] if k in e else v0.new_zeros(n) for e, n in zip(entries, shard.numels)]
+                    )
                     flat = torch.cat(
                         [flat, flat.new_zeros(shard.per_rank * self.world - flat.numel())]
                     )

@@ -140,6 +140,7 @@ def make_job(
     lr: float = 2e-3,
     checkpoint: bool = False,
     backend: str | None = None,
+    zero_stage: int = 0,
 ) -> Job:
     """Lays out the ranks, builds this rank's stage, wraps it in DDP across
     its replicas and in the 1F1B schedule across the stages."""
@@ -156,7 +157,15 @@ def make_job(
         module = dsparallel.DistributedDataParallel(module, process_group=state.dp_group)
     stage = PipelineStage(module, state.pp_rank, state.pp_size, group=state.pp_group)
     schedule = Schedule1F1B(stage, micro_batches, loss_fn=gpt_loss(state.tp_group))
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    if zero_stage == 1:
+        # AdamW's state sharded evenly over the data-parallel replicas.
+        opt = dsparallel.ZeroRedundancyOptimizer(
+            module.parameters(), torch.optim.AdamW, process_group=state.dp_group, lr=lr
+        )
+    elif zero_stage == 0:
+        opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    else:
+        raise SystemExit(f"--zero-stage {zero_stage}: only 0 and 1 so far")
     return Job(cfg, state, module, stage, schedule, opt, micro_batches, batch_size)
 
 
@@ -196,6 +205,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="1: AdamW's state sharded over the data-parallel ranks (ZeRO stage 1)",
+    )
     p.add_argument("--save", help="directory for a checkpoint at the end")
     p.add_argument("--resume", help="directory of a checkpoint to continue from")
     p.add_argument("--plot", default="gpt_loss.png", help="loss curve PNG ('' for none)")
@@ -214,6 +230,7 @@ def main() -> None:
         lr=args.lr,
         checkpoint=args.checkpoint_activations,
         backend=args.backend,
+        zero_stage=args.zero_stage,
     )
     state, module, opt = job.state, job.module, job.opt
     rank = dist.get_rank()

@@ -78,6 +78,26 @@ def test_gpt_layouts_match_one_process(tmp_path, reference, layout):
     assert losses[-1] < losses[0]
 
 
+def test_gpt_zero_stage1_matches_one_process_and_resumes(tmp_path, reference):
+    """ZeRO stage 1 over the data-parallel group of tp 2 x dp 2: the same
+    losses as one process (as --zero-stage 0 is), and a resume from its
+    sharded optimizer state continues the run exactly."""
+    layout = ("--tensor-parallel", "2", "--pipeline-parallel", "1", "--zero-stage", "1")
+    history = _run_job(tmp_path, "zero", "--steps", str(STEPS), *layout)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in history]), torch.tensor(reference), rtol=1e-4, atol=0
+    )
+    ckpt = tmp_path / "zckpt"
+    _run_job(tmp_path, "zfirst", "--steps", "5", "--save", str(ckpt), *layout)
+    resumed = _run_job(tmp_path, "zresumed", "--steps", str(STEPS), "--resume", str(ckpt), *layout)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in resumed]),
+        torch.tensor([v for _, v in history]),
+        rtol=1e-6,
+        atol=0,
+    )
+
+
 def test_gpt_checkpointing_matches(tmp_path, reference):
     history = _run_job(tmp_path, "ckpt", "--steps", "4", "--checkpoint-activations")
     torch.testing.assert_close(

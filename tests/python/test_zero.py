@@ -209,3 +209,26 @@ def _fsdp2_body(rank, world):
 
 def test_fsdp2_over_dsp_equals_one_process():
     run_ranks(_fsdp2_body, 2)
+
+
+def _mixed_dtypes_body(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 5).to(torch.bfloat16))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    # One buffer per dtype; the bf16 slice is stepped in an fp32 master copy,
+    # and the parameters are views into the buffers.
+    assert sorted(str(s.dtype) for s in opt._shards) == ["torch.bfloat16", "torch.float32"]
+    assert all(s.param.dtype == torch.float32 for s in opt._shards)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert not torch.equal(p, b), "a parameter was not updated"
+        torch.testing.assert_close(
+            p.float(), b.float() - 1e-2 * (1 + 0.01 * b.float()), atol=2e-2, rtol=0
+        )
+
+
+def test_mixed_dtypes_are_sharded_per_dtype():
+    run_ranks(_mixed_dtypes_body, 2)

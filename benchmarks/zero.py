@@ -1,0 +1,152 @@
+"""Memory per rank and step time of sharded optimizers over "dsp".
+
+    python benchmarks/zero.py [--worlds 2 4] [--layers 12] [--width 2048] [--png zero.png]
+
+On an MLP of ``layers`` Linear(width, width) layers (12 x 2048: 50M
+parameters), one run per configuration and world size, each rank measures
+the bytes of optimizer state and of gradients it actually holds after
+backward and step, its peak RSS, and the median step time (forward,
+backward, step) over the timed steps:
+
+- torch DDP + AdamW (the baseline: every rank holds everything),
+- torch DDP + torch's ZeroRedundancyOptimizer (stage 1, whole parameters per rank),
+- our DDP + dsparallel.ZeroRedundancyOptimizer (stage 1, even flat shards),
+- torch's FSDP2 (fully_shard per layer) + AdamW over "dsp" (stage 3).
+
+All over the "dsp" backend. Ratios are against the baseline of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+from launch import run_ranks
+
+CONFIGS = ["ddp+adamw", "ddp+torch-zero1", "ours-zero1", "fsdp2"]
+
+
+def _bytes(t) -> int:
+    local = getattr(t, "_local_tensor", t)  # DTensor: this rank's shard
+    return local.numel() * local.element_size()
+
+
+def _state_bytes(opt) -> int:
+    inner = getattr(opt, "_inner", None) or getattr(opt, "optim", None) or opt
+    tensors = [v for s in inner.state.values() for v in s.values() if hasattr(v, "numel")]
+    return sum(_bytes(v) for v in tensors if v.dim())
+
+
+def _body(rank, world, config, layers, width, steps):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import dsparallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("dsp")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    if config == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif config == "ours-zero1":
+        wrapped = dsparallel.DistributedDataParallel(model)
+        opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        if config == "ddp+torch-zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(32, width)
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        wrapped(x).square().mean().backward()
+        grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    params = sum(_bytes(p) for p in model.parameters())
+    row = {
+        "params": params,
+        "grads": grads,
+        "state": _state_bytes(opt),
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step": statistics.median(times[1:]),
+    }
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    dist.destroy_process_group()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--png", help="stacked bars of memory per rank")
+    args = p.parse_args()
+    n = args.layers * (args.width * args.width + args.width)
+    print(f"MLP {args.layers} x Linear({args.width}, {args.width}): {n / 1e6:.1f}M params, fp32")
+    results = {}
+    for world in args.worlds:
+        print(f"\n{world} ranks over dsp (rank 0; MB)")
+        print(
+            f"{'config':>16} | {'params':>7} {'grads':>7} {'opt state':>9} {'peak RSS':>8} | "
+            f"{'state/base':>10} {'step ms':>8} {'step/base':>9}"
+        )
+        base = None
+        for config in CONFIGS:
+            r = run_ranks(_body, world, config, args.layers, args.width, args.steps)
+            results[(world, config)] = r
+            base = base or r[0]
+            mb = 1e6
+            print(
+                f"{config:>16} | {r[0]['params'] / mb:7.1f} {r[0]['grads'] / mb:7.1f} "
+                f"{r[0]['state'] / mb:9.1f} {r[0]['rss'] / mb:8.0f} | "
+                f"{r[0]['state'] / base['state']:10.3f} {r[0]['step'] * 1e3:8.0f} "
+                f"{r[0]['step'] / base['step']:9.2f}",
+                flush=True,
+            )
+            if world > 1:
+                states = [x["state"] for x in r]
+                print(f"{'':>16}   opt state per rank (MB): {[round(s / mb, 1) for s in states]}")
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(args.worlds), figsize=(6 * len(args.worlds), 4))
+        for ax, world in zip(axes if len(args.worlds) > 1 else [axes], args.worlds):
+            rows = [results[(world, c)][0] for c in CONFIGS]
+            bottom = [0.0] * len(CONFIGS)
+            for key in ("params", "grads", "state"):
+                vals = [r[key] / 1e6 for r in rows]
+                ax.bar(CONFIGS, vals, bottom=bottom, label=key)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.set_title(f"{world} ranks: memory per rank (rank 0)")
+            ax.set_ylabel("MB")
+            ax.tick_params(axis="x", rotation=20)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png)
+        print(f"\nwrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
