@@ -75,19 +75,54 @@ def save(path, rank, state, cfg, step, module, opt, history):
             json.dump({"layout": layout_of(state), "config": asdict(cfg), "step": step}, f)
 
 
+def saved_rank(layout: dict, pp: int, dp: int, tp: int) -> int:
+    """The global rank of mesh coordinates (pp, dp, tp) in a saved layout
+    (init_parallel's mesh is ("pp", "dp", "tp"), tp fastest)."""
+    return (pp * layout["dp"] + dp) * layout["tp"] + tp
+
+
 def resume(path, rank, state, cfg, module, opt):
     file = os.path.join(path, f"rank{rank:05d}.pt")
-    if not os.path.exists(file):
-        raise SystemExit(f"--resume {path}: no shard for rank {rank} ({file})")
-    ckpt = torch.load(file, weights_only=False)
-    if ckpt["layout"] != layout_of(state) or ckpt["config"] != asdict(cfg):
+    with open(os.path.join(path, "layout.json")) as f:
+        saved = json.load(f)["layout"]
+    mine = layout_of(state)
+    only_dp_differs = {k: v for k, v in saved.items() if k != "dp"} == {
+        k: v for k, v in mine.items() if k != "dp"
+    }
+    zero = isinstance(opt, dsparallel.ZeroRedundancyOptimizer)
+    if saved != mine and not (only_dp_differs and zero):
         raise SystemExit(
-            f"--resume {path}: saved with layout {ckpt['layout']} and model {ckpt['config']}; "
-            f"this run is {layout_of(state)} and {asdict(cfg)}. Resharding is not supported: "
-            "resume with the layout and model it was saved with."
+            f"--resume {path}: saved with layout {saved}; this run is {mine}. Resharding "
+            "works for the data-parallel size with --zero-stage 1 only: resume with the "
+            "tensor- and pipeline-parallel layout it was saved with."
         )
-    module.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["optim"])
+    if saved != mine:
+        # Another data-parallel size: the model from the saved replica 0 of
+        # this (pp, tp) position, the optimizer state from every saved
+        # replica's shard (ZeroRedundancyOptimizer reshards them).
+        files = [
+            os.path.join(path, f"rank{saved_rank(saved, state.pp_rank, d, state.tp_rank):05d}.pt")
+            for d in range(saved["dp"])
+        ]
+        ckpts = [torch.load(f, weights_only=False) for f in files]
+        ckpt = ckpts[0]
+        optim = [c["optim"] for c in ckpts]
+    else:
+        if not os.path.exists(file):
+            raise SystemExit(f"--resume {path}: no shard for rank {rank} ({file})")
+        ckpt = torch.load(file, weights_only=False)
+        optim = ckpt["optim"]
+    if ckpt["config"] != asdict(cfg):
+        raise SystemExit(
+            f"--resume {path}: saved with model {ckpt['config']}; this run is {asdict(cfg)}"
+        )
+    model_state = ckpt["model"]
+    if state.dp_size > 1 and not any(k.startswith("module.") for k in model_state):
+        model_state = {"module." + k: v for k, v in model_state.items()}
+    elif state.dp_size == 1 and all(k.startswith("module.") for k in model_state):
+        model_state = {k[len("module.") :]: v for k, v in model_state.items()}
+    module.load_state_dict(model_state)
+    opt.load_state_dict(optim)
     return ckpt["step"], ckpt["history"]
 
 

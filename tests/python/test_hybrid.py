@@ -96,6 +96,24 @@ def test_gpt_zero_stage1_matches_one_process_and_resumes(tmp_path, reference):
         rtol=1e-6,
         atol=0,
     )
+    # At another data-parallel size (2 ranks: tp 2 x dp 1) the optimizer
+    # state is resharded from both saved replicas' shards.
+    out_file = tmp_path / "zdp1.json"
+    _torchrun(
+        "train_gpt.py",
+        *SMALL,
+        *("--plot", "", "--losses", str(out_file), "--steps", str(STEPS)),
+        *("--resume", str(ckpt), *layout),
+        nproc=2,
+    )
+    dp1 = json.loads(out_file.read_text())
+    assert [s for s, _ in dp1] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in dp1]),
+        torch.tensor([v for _, v in history]),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 def test_gpt_checkpointing_matches(tmp_path, reference):
@@ -126,7 +144,7 @@ def test_gpt_resume_equals_uninterrupted_run(tmp_path):
     )
     assert refused.returncode != 0
     assert "saved with layout {'tp': 2, 'pp': 2, 'dp': 1}" in refused.stderr
-    assert "Resharding is not supported" in refused.stderr
+    assert "Resharding works for the data-parallel size with --zero-stage 1 only" in refused.stderr
 
 
 # ------------------------------------------------------------------ layout

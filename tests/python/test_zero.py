@@ -55,7 +55,7 @@ def _train(rank, world, ddp_class, opt_factory, steps=STEPS, clip=None):
     return model
 
 
-def _close(a, b, rtol=1e-5, atol=1e-6):
+def _close(a, b, rtol=1e-6, atol=1e-7):
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
 
