@@ -232,3 +232,36 @@ def _mixed_dtypes_body(rank, world):
 
 def test_mixed_dtypes_are_sharded_per_dtype():
     run_ranks(_mixed_dtypes_body, 2)
+
+
+def _no_sync_frozen_body(rank, world):
+    """no_sync accumulation over 3 micro-batches equals the big batch, with a
+    frozen layer that ZeRO leaves alone."""
+    ref = _model()
+    ref[0].requires_grad_(False)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **LR)
+    model = _model()
+    model[0].requires_grad_(False)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    ddp = dsparallel.DistributedDataParallel(model)
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
+    for step in range(5):
+        x, y = _batch(step)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        mine_x, mine_y = x.chunk(world)[rank].chunk(3), y.chunk(world)[rank].chunk(3)
+        for i, (xs, ys) in enumerate(zip(mine_x, mine_y)):
+            if i < 2:
+                with ddp.no_sync():
+                    (nn.functional.mse_loss(ddp(xs), ys) / 3).backward()
+            else:
+                (nn.functional.mse_loss(ddp(xs), ys) / 3).backward()
+        opt.step()
+    _close(model, ref)
+    assert all(torch.equal(p, f) for p, f in zip(model[0].parameters(), frozen))
+
+
+def test_no_sync_accumulation_and_frozen_parameters():
+    run_ranks(_no_sync_frozen_body, 2)
