@@ -93,29 +93,25 @@ class _Shard:
             for p, o, n in zip(self.params, self.offsets, self.numels)
         ]
 
+    def owned_pieces(self):
+        """(param, its offset in the buffer, a, b) for every parameter that
+        overlaps this rank's slice, [a, b) being the overlap in buffer
+        positions."""
+        for p, o, n in zip(self.params, self.offsets, self.numels):
+            a, b = max(self.lo, o), min(self.hi, o + n)
+            if a < b:
+                yield p, o, a, b
+
     def owned_grad(self) -> torch.Tensor | None:
         """This rank's slice of the concatenated gradients (zeros where a
         parameter has none, and in the padding); None if none has one."""
         if all(p.grad is None for p in self.params):
             return None
-        pieces = []
-        at = self.lo
-        for p, o, n in zip(self.params, self.offsets, self.numels):
-            a, b = max(self.lo, o), min(self.hi, o + n)
-            if a >= b:
-                continue
-            if a > at:
-                pieces.append(torch.zeros(a - at, dtype=self.param.dtype, device=self.flat.device))
-            if p.grad is None:
-                pieces.append(torch.zeros(b - a, dtype=self.param.dtype, device=self.flat.device))
-            else:
-                pieces.append(p.grad.reshape(-1)[a - o : b - o].to(self.param.dtype))
-            at = b
-        if at < self.hi:
-            pieces.append(
-                torch.zeros(self.hi - at, dtype=self.param.dtype, device=self.flat.device)
-            )
-        return torch.cat(pieces)
+        out = torch.zeros(self.per_rank, dtype=self.param.dtype, device=self.flat.device)
+        for p, o, a, b in self.owned_pieces():
+            if p.grad is not None:
+                out[a - self.lo : b - self.lo] = p.grad.reshape(-1)[a - o : b - o]
+        return out
 
 
 def _signature(groups: list[dict]) -> list[tuple]:
@@ -141,7 +137,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self._optimizer_class = optimizer_class
         self._shards: list[_Shard] = []
         self._inner: torch.optim.Optimizer | None = None
         self._consolidated: dict | None = None
@@ -178,10 +173,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 f"rank {r} has {len(theirs)}"
             )
 
+    def _options(self, shard: _Shard) -> dict:
+        """The hyperparameters of the user's group that holds ``shard``."""
+        return {k: v for k, v in self.param_groups[shard.group_index].items() if k != "params"}
+
     def _inner_group(self, shard: _Shard) -> dict:
-        group = {k: v for k, v in self.param_groups[shard.group_index].items() if k != "params"}
-        group["params"] = [shard.param]
-        return group
+        return {**self._options(shard), "params": [shard.param]}
+
+    def _sync_options(self) -> None:
+        """The inner groups take the user's hyperparameters (LR schedulers and
+        load_state_dict change those)."""
+        for shard, inner in zip(self._shards, self._inner.param_groups):
+            inner.update(self._options(shard))
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -208,11 +211,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for shard, inner in zip(self._shards, self._inner.param_groups):
-            # Hyperparameters follow the user's groups (LR schedulers change those).
-            for k, v in self.param_groups[shard.group_index].items():
-                if k != "params":
-                    inner[k] = v
+        self._sync_options()
+        for shard in self._shards:
             shard.refresh_if_changed()
             shard.param.grad = shard.owned_grad()
         self._inner.step()
@@ -317,10 +317,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         state = {}
         for shard in self._shards:
             local = self._inner.state.get(shard.param, {})
-            for p, o, n in zip(shard.params, shard.offsets, shard.numels):
-                a, b = max(shard.lo, o), min(shard.hi, o + n)
-                if a >= b:
-                    continue
+            for p, o, a, b in shard.owned_pieces():
                 entry = {"zero_range": (a - o, b - o)}
                 for k, v in local.items():
                     per_element = torch.is_tensor(v) and v.dim() >= 1
@@ -393,8 +390,5 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 else:
                     state[k] = v0.clone() if torch.is_tensor(v0) else v0
             self._inner.state[shard.param] = state
-        for shard, inner in zip(self._shards, self._inner.param_groups):
-            inner.update(
-                {k: v for k, v in self.param_groups[shard.group_index].items() if k != "params"}
-            )
+        self._sync_options()
         self._consolidated = None
