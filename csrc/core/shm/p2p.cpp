@@ -138,9 +138,7 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
     // cycle of ranks each sending to the next).
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (int s = 0; s < size_; ++s) {
-        if (s != rank_) drainLocked(s);
-      }
+      drainOthersLocked(-1);
     }
     const uint32_t freed = c.freed.value.load(std::memory_order_acquire);
     if (end - c.tail.load(std::memory_order_acquire) <= ring_bytes_) break;
@@ -208,6 +206,12 @@ void ShmP2P::drainLocked(int src) {
     ++read_count_[src];
     c.tail.store(tail, std::memory_order_release);
     advance(c.freed, read_count_[src]);
+  }
+}
+
+void ShmP2P::drainOthersLocked(int except) {
+  for (int s = 0; s < size_; ++s) {
+    if (s != rank_ && s != except) drainLocked(s);
   }
 }
 
@@ -282,9 +286,7 @@ void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
       // a peer may be blocked sending to us while the rank we wait for is
       // itself blocked behind that peer (a cycle through full rings).
       std::lock_guard<std::mutex> lock(mutex_);
-      for (int s = 0; s < size_; ++s) {
-        if (s != rank_ && s != r->src) drainLocked(s);
-      }
+      drainOthersLocked(r->src);
     }
     const auto now = std::chrono::steady_clock::now();
     if (r->src >= 0) {

@@ -89,6 +89,10 @@ class ShmP2P {
   // Takes every message that has arrived from `src`, delivering each to the
   // oldest matching posted receive or to the unexpected queue. Needs mutex_.
   void drainLocked(int src);
+  // drainLocked for every peer but `except` (-1: every peer). A rank blocked
+  // on a full ring or a receive does this, so that no cycle of ranks, each
+  // waiting on the next, can stall. Needs mutex_.
+  void drainOthersLocked(int except);
   bool matchUnexpectedLocked(Request& r);
   [[noreturn]] void failWait(const Request& r, bool dead, int peer,
                              std::chrono::milliseconds limit = {}) const;
