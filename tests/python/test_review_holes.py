@@ -105,12 +105,16 @@ def test_small_dev_shm_raises_on_every_rank_naming_the_bytes():
     the same clear error (needed, free, the fix), none dies of SIGBUS."""
     script = _job(
         """
-        import os, torch.distributed as dist, dsparallel
+        import os, sys, torch.distributed as dist, dsparallel
+        # One write per line: print() with several arguments writes them
+        # separately, and the ranks share one pipe, so their lines interleaved.
         try:
             dist.init_process_group("dsp")
-            print("rank", os.environ["RANK"], "CREATED")
+            line = f"rank {os.environ['RANK']} CREATED"
         except Exception as e:
-            print("rank", os.environ["RANK"], "ERROR", str(e).splitlines()[0])
+            line = f"rank {os.environ['RANK']} ERROR {str(e).splitlines()[0]}"
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
         """
     )
     cmd = (
