@@ -113,7 +113,7 @@ def test_small_dev_shm_raises_on_every_rank_naming_the_bytes():
             line = f"rank {os.environ['RANK']} CREATED"
         except Exception as e:
             line = f"rank {os.environ['RANK']} ERROR {str(e).splitlines()[0]}"
-        sys.stdout.write(line + "\n")
+        sys.stdout.write(line + "\\n")
         sys.stdout.flush()
         """
     )
