@@ -107,8 +107,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        c10::intrusive_ptr<c10d::ProcessGroup> group,
                        std::vector<size_t> bucket_caps, bool find_unused,
-                       bool gradient_as_bucket_view, bool static_graph) {
+                       bool gradient_as_bucket_view, bool static_graph, int zero_stage) {
              dsparallel::ReducerOptions o;
+             o.zero_stage = zero_stage;
              o.bucket_caps = std::move(bucket_caps);
              o.find_unused_parameters = find_unused;
              o.gradient_as_bucket_view = gradient_as_bucket_view;
@@ -118,7 +119,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("params"), py::arg("names"), py::arg("group"), py::arg("bucket_caps"),
            py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
-           py::arg("static_graph"))
+           py::arg("static_graph"), py::arg("zero_stage") = 0)
       .def("prepare_for_backward", &dsparallel::Reducer::prepareForBackward,
            py::arg("outputs"), py::call_guard<py::gil_scoped_release>())
       .def(
@@ -130,7 +131,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("state"), py::arg("hook"))
       .def("bucket_indices", &dsparallel::Reducer::bucketIndices)
       .def_property_readonly("in_place_buckets", &dsparallel::Reducer::inPlaceBuckets)
-      .def_property_readonly("buckets_rebuilt", &dsparallel::Reducer::bucketsRebuilt);
+      .def_property_readonly("buckets_rebuilt", &dsparallel::Reducer::bucketsRebuilt)
+      .def("bucket_offsets", &dsparallel::Reducer::bucketOffsets)
+      .def("padded_numels", &dsparallel::Reducer::paddedNumels)
+      .def("grad_shards", &dsparallel::Reducer::gradShards)
+      .def("zero_grad_shards", &dsparallel::Reducer::zeroGradShards,
+           py::arg("set_to_none"))
+      .def("params_with_gradients", &dsparallel::Reducer::paramsWithGradients)
+      .def("set_reduce_dtype", &dsparallel::Reducer::setReduceDType, py::arg("dtype"));
 
   namespace pp = dsp::pipeline;
   py::class_<pp::Action>(m, "PipelineAction")

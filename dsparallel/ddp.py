@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .zero import ShardedBuffer
 
 _MB = 1024 * 1024
 _DEFAULT_FIRST_BUCKET_BYTES = 1 * _MB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -66,6 +67,8 @@ class DistributedDataParallel(nn.Module):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        *,
+        zero_stage: int = 0,
         **kwargs,
     ):
         super().__init__()
@@ -83,6 +86,16 @@ class DistributedDataParallel(nn.Module):
                 "which dsparallel.DistributedDataParallel does not support"
             )
         del check_reduction  # deprecated and ignored by torch as well
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(
+                f"DistributedDataParallel: zero_stage must be 0, 1 or 2, got {zero_stage!r}"
+            )
+        if zero_stage == 2 and gradient_as_bucket_view:
+            raise ValueError(
+                "DistributedDataParallel: zero_stage=2 keeps only this rank's shard of each "
+                "bucket, so gradient_as_bucket_view=True has no bucket to view"
+            )
+        self.zero_stage = zero_stage
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
@@ -116,7 +129,9 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters,
             gradient_as_bucket_view,
             static_graph,
+            zero_stage=2 if zero_stage == 2 else 0,
         )
+        self._zero_buffers = self._shard_buckets([p for _, p in named]) if zero_stage == 2 else []
 
     # ---------------------------------------------------------------- set-up
 
@@ -167,6 +182,27 @@ class DistributedDataParallel(nn.Module):
         if tensors and dist.get_world_size(self.process_group) > 1:
             dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
 
+    def _shard_buckets(self, params: list[torch.Tensor]) -> list[ShardedBuffer]:
+        """ZeRO stage 2: the parameters of each bucket become views into one
+        flat buffer laid out like the bucket, whose slices the reducer's
+        gradient shards match; ZeroRedundancyOptimizer finds them on the
+        parameters and steps them."""
+        rank = dist.get_rank(self.process_group)
+        world = dist.get_world_size(self.process_group)
+        buffers = []
+        for members, offsets, padded, shard in zip(
+            self.reducer.bucket_indices(),
+            self.reducer.bucket_offsets(),
+            self.reducer.padded_numels(),
+            self.reducer.grad_shards(),
+        ):
+            ps = [params[i] for i in members]
+            buffer = ShardedBuffer(ps, offsets, padded, rank, world, shard, self.reducer, members)
+            for p in ps:
+                p._dsp_zero_buffer = buffer
+            buffers.append(buffer)
+        return buffers
+
     # ---------------------------------------------------------------- training
 
     def forward(self, *inputs, **kwargs):
@@ -175,6 +211,13 @@ class DistributedDataParallel(nn.Module):
             if buffers and dist.get_world_size(self.process_group) > 1:
                 dist._broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, 0)
         output = self.module(*inputs, **kwargs)
+        if self._zero_buffers and torch.is_grad_enabled():
+            if all(b.owner is None for b in self._zero_buffers):
+                raise RuntimeError(
+                    "DistributedDataParallel(zero_stage=2) keeps only this rank's shard of each "
+                    "gradient (no .grad): step it with dsparallel.ZeroRedundancyOptimizer("
+                    "model.parameters(), ...), created before the first forward"
+                )
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             outputs = _tensors_in(output) if self.find_unused_parameters else []
             self.reducer.prepare_for_backward(outputs)
@@ -199,6 +242,17 @@ class DistributedDataParallel(nn.Module):
         """
         if not callable(hook):
             raise TypeError("register_comm_hook: hook must be callable")
+        dtype = _compress_dtype(hook)
+        if self.zero_stage == 2 and dtype is not None:
+            if state not in (None, self.process_group):
+                raise ValueError(
+                    "register_comm_hook: under zero_stage=2 a compress hook reduces over the "
+                    "DDP's own process group; pass it (or None) as the state"
+                )
+            # The same compression, under reduce-scatter: buckets travel in
+            # the narrow format and each rank adds its slice into its shard.
+            self.reducer.set_reduce_dtype(dtype)
+            return
         self.reducer.register_comm_hook(state, hook)
 
     def bucket_indices(self) -> list[list[int]]:
@@ -207,3 +261,18 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _compress_dtype(hook) -> torch.dtype | None:
+    """The dtype a known compress hook (ours or torch's) reduces in."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from . import comm_hooks
+
+    known = {
+        comm_hooks.bf16_compress_hook: torch.bfloat16,
+        comm_hooks.fp16_compress_hook: torch.float16,
+        default_hooks.bf16_compress_hook: torch.bfloat16,
+        default_hooks.fp16_compress_hook: torch.float16,
+    }
+    return known.get(hook)

@@ -1,23 +1,32 @@
-"""ZeRO stage 1: the optimizer state sharded evenly across data-parallel ranks.
+"""ZeRO: the optimizer state (stage 1) and the gradients (stage 2) sharded
+evenly across data-parallel ranks.
 
 ``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None, **defaults)``
 has torch's constructor and methods, so that switching is an import change.
 Unlike torch's, which gives each parameter whole to one rank (one large
 embedding unbalances it) and broadcasts every parameter after the step,
-shards here are even: the parameters of each (param group, dtype) are laid
-end to end in one flat buffer, padded to a multiple of the group size, and
-rank r owns the r-th equal slice, across parameter boundaries (Megatron-core's
-distributed optimizer). The parameters become views into these buffers (no
-second copy). The inner ``torch.optim`` optimizer steps only this rank's
-slice (an fp32 view, or an fp32 master copy for half-precision parameters),
-and one all-gather per buffer writes every rank the updated parameters in
-place: the same traffic as a broadcast of each shard, in one call.
+shards here are even: parameters are laid end to end in flat buffers, each
+padded to a multiple of the group size, and rank r owns the r-th equal slice
+of every buffer, across parameter boundaries (Megatron-core's distributed
+optimizer). The parameters become views into the buffers (no second copy).
+The inner ``torch.optim`` optimizer steps only this rank's slices (fp32
+views, or fp32 master copies for half-precision parameters), and one
+all-gather per buffer writes every rank the updated parameters in place: the
+same traffic as a broadcast of each shard.
 
-Gradients are whatever the user's data parallelism left in ``.grad`` (our DDP
-or torch's all-reduces them: every rank keeps the whole averaged gradient,
-and reads only its slice). A parameter whose ``.grad`` is None on this step
-contributes zeros to its buffer's slice (as in Megatron-core); frozen
-parameters (``requires_grad=False``) are not sharded at all.
+Where the buffers come from decides the stage:
+
+* Stage 1 (any data parallelism, or none): one buffer per (param group,
+  dtype). Gradients are whatever the user's data parallelism left in
+  ``.grad`` (our DDP or torch's all-reduces them, every rank keeps the whole
+  averaged gradient) and only this rank's slice is read.
+* Stage 2 (parameters of ``dsparallel.DistributedDataParallel(...,
+  zero_stage=2)``): the buffers are the DDP's buckets. Its C++ reducer
+  reduce-scatters each bucket during backward into this rank's gradient
+  shard and keeps no ``.grad``; the optimizer steps on those shards.
+
+A parameter without a gradient on a step contributes zeros (as in
+Megatron-core); frozen parameters (``requires_grad=False``) are not sharded.
 """
 
 from __future__ import annotations
@@ -32,29 +41,49 @@ _FULL_PRECISION = (torch.float32, torch.float64)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class _Shard:
-    """The parameters of one (param group, dtype), flat, and this rank's slice."""
+class ShardedBuffer:
+    """Parameters laid end to end in one flat buffer (``padded_numel``
+    elements, a multiple of the group size) and this rank's slice
+    ``[lo, hi)`` of it. For stage 2 the DDP's reducer supplies the gradient
+    shard (``grad_shard``, the slice's averaged gradient)."""
 
-    def __init__(self, group_index: int, params: list[torch.Tensor], rank: int, world: int):
-        self.group_index = group_index
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        offsets: list[int],
+        padded_numel: int,
+        rank: int,
+        world: int,
+        grad_shard: torch.Tensor | None = None,
+        reducer=None,
+        members: list[int] | None = None,
+    ):
         self.params = params
-        self.dtype = params[0].dtype
+        self.offsets = list(offsets)
         self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
-        self.numel = sum(self.numels)
-        self.per_rank = -(-self.numel // world)  # ceil: padded to a multiple of world
+        self.dtype = params[0].dtype
+        self.per_rank = padded_numel // world
         self.lo = rank * self.per_rank
         self.hi = self.lo + self.per_rank
-        self.flat = torch.zeros(self.per_rank * world, dtype=self.dtype, device=params[0].device)
+        self.grad_shard = grad_shard
+        self.reducer = reducer
+        self.members = members  # stage 2: the parameters' indices in the reducer
+        self.owner = None  # the optimizer that steps this buffer
+        self.pieces: list[_Piece] = []
+        self.flat = torch.zeros(padded_numel, dtype=self.dtype, device=params[0].device)
         with torch.no_grad():
             torch._foreach_copy_(self.views(), [p.detach() for p in params])
         self.bind()
-        owned = self.flat[self.lo : self.hi]
-        # What the inner optimizer steps: a view into the buffer when it is
-        # full precision, else an fp32 master copy of the slice.
-        data = owned if self.dtype in _FULL_PRECISION else owned.float()
-        self.param = torch.nn.Parameter(data, requires_grad=True)
         self.versions = self.param_versions()
+
+    @classmethod
+    def packed(cls, params: list[torch.Tensor], rank: int, world: int) -> ShardedBuffer:
+        """A stage-1 buffer: the parameters back to back."""
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.numel())
+        total = offsets[-1] + params[-1].numel()
+        return cls(params, offsets, -(-total // world) * world, rank, world)
 
     def bind(self) -> None:
         """Makes every parameter a view into the buffer: no second copy of the
@@ -62,6 +91,12 @@ class _Shard:
         for p, v in zip(self.params, self.views()):
             if p.data_ptr() != v.data_ptr():
                 p.data = v
+
+    def views(self) -> list[torch.Tensor]:
+        return [
+            self.flat[o : o + n].view_as(p)
+            for p, o, n in zip(self.params, self.offsets, self.numels)
+        ]
 
     def param_versions(self) -> list[int]:
         # A parameter's own version counter moves when it is written through
@@ -73,7 +108,7 @@ class _Shard:
         """Takes the parameters back when something other than our step wrote
         them: rebound (``load_state_dict(assign=True)``, ``.data = ...``: copied
         into the buffer and bound again) or written in place (the fp32 master
-        copy of a half-precision slice is refreshed)."""
+        copies of a half-precision slice are refreshed)."""
         rebound = [
             (p, v) for p, v in zip(self.params, self.views()) if p.data_ptr() != v.data_ptr()
         ]
@@ -82,36 +117,82 @@ class _Shard:
         self.bind()
         if not rebound and self.param_versions() == self.versions:
             return
-        owned = self.flat[self.lo : self.hi]
-        if self.param.data_ptr() != owned.data_ptr():
-            self.param.copy_(owned)
+        for piece in self.pieces:
+            if piece.param.data_ptr() != piece.view().data_ptr():
+                piece.param.copy_(piece.view())
         self.versions = self.param_versions()
 
-    def views(self) -> list[torch.Tensor]:
-        return [
-            self.flat[o : o + n].view_as(p)
-            for p, o, n in zip(self.params, self.offsets, self.numels)
-        ]
+    def overlap(self, k: int) -> tuple[int, int]:
+        """[a, b): where parameter k overlaps this rank's slice (a >= b: not)."""
+        o = self.offsets[k]
+        return max(self.lo, o), min(self.hi, o + self.numels[k])
 
-    def owned_pieces(self):
-        """(param, its offset in the buffer, a, b) for every parameter that
-        overlaps this rank's slice, [a, b) being the overlap in buffer
-        positions."""
-        for p, o, n in zip(self.params, self.offsets, self.numels):
-            a, b = max(self.lo, o), min(self.hi, o + n)
-            if a < b:
-                yield p, o, a, b
+    def has_grad(self) -> list[bool]:
+        """Per parameter: whether it has a gradient. Under stage 2, whether a
+        rank produced one in a synced backward since the shards were reset
+        (None, as torch's ``.grad`` would be, otherwise)."""
+        if self.grad_shard is not None:
+            flags = self.reducer.params_with_gradients()
+            return [flags[i] for i in self.members]
+        return [p.grad is not None for p in self.params]
 
-    def owned_grad(self) -> torch.Tensor | None:
-        """This rank's slice of the concatenated gradients (zeros where a
-        parameter has none, and in the padding); None if none has one."""
-        if all(p.grad is None for p in self.params):
+    def owned_grad(self, has: list[bool]) -> torch.Tensor | None:
+        """This rank's slice of the gradients, in buffer positions from ``lo``:
+        stage 2's reduced shard, or (stage 1) the slice of the concatenated
+        ``.grad``; None if no parameter has a gradient."""
+        if not any(has):
             return None
-        out = torch.zeros(self.per_rank, dtype=self.param.dtype, device=self.flat.device)
-        for p, o, a, b in self.owned_pieces():
-            if p.grad is not None:
+        if self.grad_shard is not None:
+            return self.grad_shard
+        out = torch.zeros(self.per_rank, dtype=self.dtype, device=self.flat.device)
+        for k, p in enumerate(self.params):
+            a, b = self.overlap(k)
+            if a < b and has[k]:
+                o = self.offsets[k]
                 out[a - self.lo : b - self.lo] = p.grad.reshape(-1)[a - o : b - o]
         return out
+
+    def gather(self, group) -> Any:
+        """Writes the master copies into the buffer and starts the all-gather
+        that gives every rank the updated parameters."""
+        for piece in self.pieces:
+            if piece.param.data_ptr() != piece.view().data_ptr():
+                piece.view().copy_(piece.param)  # fp32 master -> the half-precision buffer
+        return _all_gather(self.flat, self.flat[self.lo : self.hi], group=group, async_op=True)
+
+
+class _Piece:
+    """The part ``[a, b)`` of parameter k of a buffer that lies in this rank's
+    slice: one tensor of the inner optimizer (a view of the buffer, or an
+    fp32 master copy of it), with a state and a step count of its own, so
+    that a parameter without a gradient is skipped as torch skips it."""
+
+    def __init__(self, buffer: ShardedBuffer, group_index: int, k: int):
+        self.buffer, self.group_index, self.k = buffer, group_index, k
+        self.a, self.b = buffer.overlap(k)
+        view = self.view()
+        data = view if buffer.dtype in _FULL_PRECISION else view.detach().float()
+        self.param = torch.nn.Parameter(data, requires_grad=True)
+
+    @property
+    def source(self) -> torch.Tensor:
+        """The model's parameter this is a piece of."""
+        return self.buffer.params[self.k]
+
+    @property
+    def range(self) -> tuple[int, int]:
+        """The piece's elements within its parameter (flat)."""
+        o = self.buffer.offsets[self.k]
+        return self.a - o, self.b - o
+
+    def view(self) -> torch.Tensor:
+        return self.buffer.flat[self.a : self.b]
+
+    def grad_of(self, owned: torch.Tensor | None, has: list[bool]) -> torch.Tensor | None:
+        if owned is None or not has[self.k]:
+            return None
+        g = owned[self.a - self.buffer.lo : self.b - self.buffer.lo]
+        return g if g.dtype == self.param.dtype else g.to(self.param.dtype)
 
 
 def _signature(groups: list[dict]) -> list[tuple]:
@@ -137,13 +218,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self._shards: list[_Shard] = []
+        self._buffers: list[ShardedBuffer] = []
+        self._pieces: list[_Piece] = []
         self._inner: torch.optim.Optimizer | None = None
         self._consolidated: dict | None = None
         super().__init__(params, defaults)
         self._check_same_params_everywhere()
+        # One inner group per user group, holding that group's pieces.
         self._inner = optimizer_class(
-            [self._inner_group(s) for s in self._shards] or [{"params": []}], **defaults
+            [self._inner_group(gi) for gi in range(len(self.param_groups))], **defaults
         )
         # The inner class's defaults (betas, eps, ...) complete the user's
         # groups, so that state_dict() is a whole optimizer_class state dict.
@@ -173,33 +256,66 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 f"rank {r} has {len(theirs)}"
             )
 
-    def _options(self, shard: _Shard) -> dict:
-        """The hyperparameters of the user's group that holds ``shard``."""
-        return {k: v for k, v in self.param_groups[shard.group_index].items() if k != "params"}
+    def _options(self, gi: int) -> dict:
+        """The hyperparameters of the user's group ``gi``."""
+        return {k: v for k, v in self.param_groups[gi].items() if k != "params"}
 
-    def _inner_group(self, shard: _Shard) -> dict:
-        return {**self._options(shard), "params": [shard.param]}
+    def _inner_group(self, gi: int) -> dict:
+        pieces = [piece.param for piece in self._pieces if piece.group_index == gi]
+        return {**self._options(gi), "params": pieces}
 
     def _sync_options(self) -> None:
         """The inner groups take the user's hyperparameters (LR schedulers and
         load_state_dict change those)."""
-        for shard, inner in zip(self._shards, self._inner.param_groups):
-            inner.update(self._options(shard))
+        for gi, inner in enumerate(self._inner.param_groups):
+            inner.update(self._options(gi))
+
+    def _claim(self, buffer: ShardedBuffer) -> None:
+        if buffer.owner is not None and buffer.owner is not self:
+            raise ValueError(
+                "ZeroRedundancyOptimizer: parameters of one zero_stage=2 DDP bucket are split "
+                "across two ZeroRedundancyOptimizers; give all of a DDP's parameters to one"
+            )
+        if buffer.owner is None:
+            buffer.owner = self
+            self._buffers.append(buffer)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
+        trainable = [p for p in self.param_groups[gi]["params"] if p.requires_grad]
+        # Stage 2: the DDP's buckets that hold these parameters.
+        by_buffer: dict[int, tuple[ShardedBuffer, list]] = {}
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.param_groups[gi]["params"]:
-            if p.requires_grad:
+        for p in trainable:
+            buffer = getattr(p, "_dsp_zero_buffer", None)
+            if buffer is not None:
+                by_buffer.setdefault(id(buffer), (buffer, []))[1].append(p)
+            else:
                 by_dtype.setdefault(p.dtype, []).append(p)
-        new = [_Shard(gi, ps, self.rank, self.world) for ps in by_dtype.values()]
-        self._shards += new
+        pairs = list(by_buffer.values())
+        pairs += [(ShardedBuffer.packed(ps, self.rank, self.world), ps) for ps in by_dtype.values()]
+        for buffer, ps in pairs:
+            self._claim(buffer)
+            ids = {id(p) for p in ps}
+            for k, p in enumerate(buffer.params):
+                a, b = buffer.overlap(k)
+                if a < b and id(p) in ids:
+                    buffer.pieces.append(_Piece(buffer, gi, k))
+                    self._pieces.append(buffer.pieces[-1])
         if self._inner is not None:  # after construction: the inner optimizer too
-            for s in new:
-                self._inner.add_param_group(self._inner_group(s))
+            self._inner.add_param_group(self._inner_group(gi))
 
     # -- the step ---------------------------------------------------------
+
+    def _grads(self) -> list[tuple[_Piece, torch.Tensor | None]]:
+        """Each piece with its gradient (None: its parameter has none)."""
+        out = []
+        for buffer in self._buffers:
+            has = buffer.has_grad()
+            owned = buffer.owned_grad(has)
+            out += [(piece, piece.grad_of(owned, has)) for piece in buffer.pieces]
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -212,60 +328,60 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_options()
-        for shard in self._shards:
-            shard.refresh_if_changed()
-            shard.param.grad = shard.owned_grad()
+        for buffer in self._buffers:
+            buffer.refresh_if_changed()
+        for piece, grad in self._grads():
+            piece.param.grad = grad
         self._inner.step()
-        for shard in self._shards:
-            shard.param.grad = None
-            owned = shard.flat[shard.lo : shard.hi]
-            if shard.param.data_ptr() != owned.data_ptr():
-                owned.copy_(shard.param)  # fp32 master -> the half-precision buffer
-            _all_gather(shard.flat, owned, group=self.process_group)  # into the parameters
-            shard.versions = shard.param_versions()
+        works = []
+        for buffer in self._buffers:
+            for piece in buffer.pieces:
+                piece.param.grad = None
+            works.append(buffer.gather(self.process_group))  # into the parameters
+        for buffer, work in zip(self._buffers, works):
+            work.wait()
+            buffer.versions = buffer.param_versions()
         self._consolidated = None
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets the gradients: ``.grad`` (stage 1) and the DDP's gradient
+        shards (stage 2)."""
+        super().zero_grad(set_to_none)
+        for reducer in {id(b.reducer): b.reducer for b in self._buffers if b.reducer}.values():
+            reducer.zero_grad_shards(set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of every parameter by their global norm, computed
         from the slices each rank owns (each element counted once) and one
-        all-reduce; returns the total norm. Call it between backward and step."""
+        all-reduce; returns the total norm. Call it between backward and step
+        (instead of ``torch.nn.utils.clip_grad_norm_``, which under stage 2
+        finds no ``.grad``, and under stage 1 computes the same norm from the
+        whole gradients at N times the work)."""
         norm_type = float(norm_type)
-        grads = [g for g in (s.owned_grad() for s in self._shards) if g is not None]
-        device = self._shards[0].flat.device if self._shards else torch.device("cpu")
+        grads = [g.float() for _, g in self._grads() if g is not None]
+        device = self._buffers[0].flat.device if self._buffers else torch.device("cpu")
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
             total = local.float().clone()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
         else:
             local = sum(
-                (g.float().abs().pow(norm_type).sum() for g in grads),
-                torch.zeros((), device=device),
+                (g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device)
             )
             dist.all_reduce(local, group=self.process_group)
             total = local.pow(1.0 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1:
-            for s in self._shards:
-                torch._foreach_mul_([p.grad for p in s.params if p.grad is not None], coef)
+            for b in self._buffers:
+                if b.grad_shard is not None:
+                    b.grad_shard.mul_(coef)
+                else:  # stage 1: every rank keeps the whole gradient
+                    torch._foreach_mul_([p.grad for p in b.params if p.grad is not None], coef)
         return total
 
     # -- checkpoints --------------------------------------------------------
-
-    def _full_state(self, shard: _Shard, state: dict) -> dict:
-        """The shard's optimizer state over the whole buffer (every rank's
-        slice, unpadded), by all-gather: tensors of the slice's length are
-        per element, anything else (the step count) is shared."""
-        full = {}
-        for k, v in state.items():
-            if torch.is_tensor(v) and v.dim() >= 1:
-                out = torch.empty(shard.per_rank * self.world, dtype=v.dtype, device=v.device)
-                _all_gather(out, v.contiguous(), group=self.process_group)
-                full[k] = out[: shard.numel]
-            else:
-                full[k] = v
-        return full
 
     def _param_index(self) -> dict[int, int]:
         """id(param) -> its index in torch's state_dict numbering."""
@@ -286,23 +402,35 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for g in self.param_groups
         ]
 
+    def _shard_state(self) -> dict[int, dict]:
+        """This rank's state, per parameter index: the state of its elements
+        in this rank's slice, with their range (``zero_range``)."""
+        index = self._param_index()
+        state = {}
+        for piece in self._pieces:
+            local = self._inner.state.get(piece.param, {})
+            if local:
+                # Cloned, the step count too: torch's optimizers increment
+                # it in place.
+                entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in local.items()}
+                state[index[id(piece.source)]] = {"zero_range": piece.range, **entry}
+        return state
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on rank ``to`` (call it on every
         rank), as a plain ``torch.optim`` state dict that ``state_dict()``
         then returns there: it loads into ``optimizer_class`` itself."""
-        index = self._param_index()
-        state: dict[int, dict] = {}
-        for shard in self._shards:
-            full = self._full_state(shard, self._inner.state.get(shard.param, {}))
-            for p, o, n in zip(shard.params, shard.offsets, shard.numels):
-                state[index[id(p)]] = {
-                    k: (v[o : o + n].view_as(p) if v.dim() >= 1 else v).clone()
-                    if torch.is_tensor(v)
-                    else v
-                    for k, v in full.items()
-                }
-        if self.rank == to:
-            self._consolidated = {"state": state, "param_groups": self._groups_for_state_dict()}
+        every = [None] * self.world if self.rank == to else None
+        dist.gather_object(self._shard_state(), every, group=self.process_group, group_dst=to)
+        if self.rank != to:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        whole = self._join([{"state": s} for s in every], params)
+        state = {
+            i: {k: v.view_as(params[i]) if _per_element(v) else v for k, v in entry.items()}
+            for i, entry in whole.items()
+        }
+        self._consolidated = {"state": state, "param_groups": self._groups_for_state_dict()}
 
     def state_dict(self) -> dict:
         """After ``consolidate_state_dict(to)``, on rank ``to``: the whole state
@@ -313,32 +441,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         them at any world size."""
         if self._consolidated is not None:
             return self._consolidated
-        index = self._param_index()
-        state = {}
-        for shard in self._shards:
-            local = self._inner.state.get(shard.param, {})
-            for p, o, a, b in shard.owned_pieces():
-                entry = {"zero_range": (a - o, b - o)}
-                for k, v in local.items():
-                    per_element = torch.is_tensor(v) and v.dim() >= 1
-                    entry[k] = v[a - shard.lo : b - shard.lo].clone() if per_element else v
-                state[index[id(p)]] = entry
-        return {"state": state, "param_groups": self._groups_for_state_dict(), "zero_shard": True}
+        return {
+            "state": self._shard_state(),
+            "param_groups": self._groups_for_state_dict(),
+            "zero_shard": True,
+        }
 
-    def load_state_dict(self, state_dict) -> None:
-        """Loads a plain ``torch.optim`` state dict (a consolidated one, or one
-        saved from ``optimizer_class`` itself), or the list of every rank's
-        ``state_dict()`` shards saved at any world size (resharding)."""
-        shards = state_dict if isinstance(state_dict, list) else [state_dict]
-        groups = shards[0]["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"ZeroRedundancyOptimizer.load_state_dict: the state has {len(groups)} param "
-                f"groups, this optimizer {len(self.param_groups)}"
-            )
-        params = [p for g in self.param_groups for p in g["params"]]
-        # Each parameter's state, whole (flat): the pieces of several shards
-        # are joined; per-element state is any tensor with a dimension.
+    @staticmethod
+    def _join(shards: list[dict], params: list[torch.Tensor]) -> dict[int, dict]:
+        """Each parameter's state, whole and flat, from the pieces of several
+        shards (or from a plain state dict); per-element state is any tensor
+        with a dimension."""
         whole: dict[int, dict] = {}
         for sd in shards:
             for i, entry in sd["state"].items():
@@ -354,8 +467,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for k, v in entry.items():
                     if k == "zero_range":
                         continue
-                    if not (torch.is_tensor(v) and v.dim() >= 1):
-                        slot[k] = v
+                    if not _per_element(v):
+                        slot[k] = v.clone() if torch.is_tensor(v) else v
                         continue
                     want = (b - a,) if "zero_range" in entry else tuple(p.shape)
                     if tuple(v.shape) != want:
@@ -366,29 +479,38 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                         )
                     buf = slot.setdefault(k, torch.zeros(p.numel(), dtype=v.dtype, device=p.device))
                     buf[a:b] = v.reshape(-1).to(p.device)
+        return whole
+
+    def load_state_dict(self, state_dict) -> None:
+        """Loads a plain ``torch.optim`` state dict (a consolidated one, or one
+        saved from ``optimizer_class`` itself), or the list of every rank's
+        ``state_dict()`` shards saved at any world size (resharding)."""
+        shards = state_dict if isinstance(state_dict, list) else [state_dict]
+        groups = shards[0]["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.load_state_dict: the state has {len(groups)} param "
+                f"groups, this optimizer {len(self.param_groups)}"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        whole = self._join(shards, params)
         for gi, g in enumerate(groups):
             self.param_groups[gi].update({k: v for k, v in g.items() if k != "params"})
         index = self._param_index()
-        for shard in self._shards:
-            entries = [whole.get(index[id(p)], {}) for p in shard.params]
-            if not any(entries):
+        for piece in self._pieces:
+            entry = whole.get(index[id(piece.source)])
+            if not entry:
                 continue
-            # Parameters outside the loaded shards' ranges have no entry:
-            # zeros stand in (only this rank's slice is kept, and the shards
-            # saved by the ranks that cover it are what fill it).
-            state = {}
-            for k in dict.fromkeys(k for e in entries for k in e):
-                v0 = next(e[k] for e in entries if k in e)
-                if torch.is_tensor(v0) and v0.dim() >= 1:
-                    flat = torch.cat(
-                        [e[k] if k in e else v0.new_zeros(n) for e, n in zip(entries, shard.numels)]
-                    )
-                    flat = torch.cat(
-                        [flat, flat.new_zeros(shard.per_rank * self.world - flat.numel())]
-                    )
-                    state[k] = flat[shard.lo : shard.hi].to(shard.param.dtype).clone()
-                else:
-                    state[k] = v0.clone() if torch.is_tensor(v0) else v0
-            self._inner.state[shard.param] = state
+            a, b = piece.range
+            self._inner.state[piece.param] = {
+                k: v[a:b].to(piece.param.dtype).clone()
+                if _per_element(v)
+                else (v.clone() if torch.is_tensor(v) else v)
+                for k, v in entry.items()
+            }
         self._sync_options()
         self._consolidated = None
+
+
+def _per_element(v) -> bool:
+    return torch.is_tensor(v) and v.dim() >= 1

@@ -93,7 +93,7 @@ def resume(path, rank, state, cfg, module, opt):
     if saved != mine and not (only_dp_differs and zero):
         raise SystemExit(
             f"--resume {path}: saved with layout {saved}; this run is {mine}. Resharding "
-            "works for the data-parallel size with --zero-stage 1 only: resume with the "
+            "works for the data-parallel size with --zero-stage 1 or 2 only: resume with the "
             "tensor- and pipeline-parallel layout it was saved with."
         )
     if saved != mine:
@@ -189,18 +189,23 @@ def make_job(
         cfg, state.pp_rank, state.pp_size, group=state.tp_group, checkpoint=checkpoint
     )
     if state.dp_size > 1:
-        module = dsparallel.DistributedDataParallel(module, process_group=state.dp_group)
+        # zero_stage=2: the reducer reduce-scatters each bucket into this
+        # rank's gradient shard instead of all-reducing it.
+        module = dsparallel.DistributedDataParallel(
+            module, process_group=state.dp_group, zero_stage=2 if zero_stage == 2 else 0
+        )
     stage = PipelineStage(module, state.pp_rank, state.pp_size, group=state.pp_group)
     schedule = Schedule1F1B(stage, micro_batches, loss_fn=gpt_loss(state.tp_group))
-    if zero_stage == 1:
-        # AdamW's state sharded evenly over the data-parallel replicas.
+    if zero_stage in (1, 2):
+        # AdamW's state (and with stage 2 the gradients) sharded evenly over
+        # the data-parallel replicas.
         opt = dsparallel.ZeroRedundancyOptimizer(
             module.parameters(), torch.optim.AdamW, process_group=state.dp_group, lr=lr
         )
     elif zero_stage == 0:
         opt = torch.optim.AdamW(module.parameters(), lr=lr)
     else:
-        raise SystemExit(f"--zero-stage {zero_stage}: only 0 and 1 so far")
+        raise SystemExit(f"--zero-stage {zero_stage}: 0, 1 or 2")
     return Job(cfg, state, module, stage, schedule, opt, micro_batches, batch_size)
 
 
@@ -244,8 +249,9 @@ def main() -> None:
         "--zero-stage",
         type=int,
         default=0,
-        choices=[0, 1],
-        help="1: AdamW's state sharded over the data-parallel ranks (ZeRO stage 1)",
+        choices=[0, 1, 2],
+        help="1: AdamW's state sharded over the data-parallel ranks (ZeRO stage 1); "
+        "2: the gradients too (ZeRO stage 2)",
     )
     p.add_argument("--save", help="directory for a checkpoint at the end")
     p.add_argument("--resume", help="directory of a checkpoint to continue from")

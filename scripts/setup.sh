@@ -18,6 +18,10 @@ if ((${#missing[@]})); then
 fi
 
 PY=${PYTHON:-python3}
+# torch imports every installed backend extension at its own import; an
+# earlier editable install whose checkout is gone would make 'import torch'
+# (hence this build) fail. The build needs no autoloading.
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 # Always pin torch: a bare 'torch' would pull a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check \
   "torch==${DSP_TORCH_VERSION:-2.13.0}" numpy matplotlib pytest pytest-timeout ninja ruff \

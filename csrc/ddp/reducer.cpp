@@ -35,6 +35,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   locally_used_.assign(n, false);
   hook_counts_.assign(n, 0);
   hooks_left_.assign(n, 0);
+  has_grad_.assign(n, false);
   buildBuckets(dsp::reverseOrder(n));
   for (size_t i = 0; i < n; ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -74,13 +75,20 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
     // averaged in the same pass): the copies into the bucket and back out
     // cost as much as the shared-memory reduction itself. Unused-parameter
     // tracking and gradient-as-bucket-view keep the flat bucket.
-    bucket.in_place_capable = bucket.average_in_reduction &&
+    bucket.in_place_capable = bucket.average_in_reduction && !sharded() &&
                               !options_.gradient_as_bucket_view &&
                               !options_.find_unused_parameters &&
                               !options_.static_graph && dspSharedMemory(bucket.flat);
     for (size_t k = 0; k < bucket.members.size(); ++k) {
       bucket_of_[bucket.members[k]] = b;
       position_of_[bucket.members[k]] = k;
+    }
+    if (sharded()) {
+      // The flat bucket exists only during a backward (allocateFlatLocked).
+      const int64_t world = group_->getSize();
+      bucket.padded_numel = (bucket.flat.numel() + world - 1) / world * world;
+      bucket.shard = at::zeros({bucket.padded_numel / world}, bucket.flat.options());
+      bucket.flat = at::Tensor();
     }
     buckets.push_back(std::move(bucket));
   }
@@ -105,7 +113,7 @@ void Reducer::pointGradsAtBucketsLocked() {
 void Reducer::maybeRebuildBuckets() {
   // As torch: rebuild once, unless unused parameters make the order unreliable.
   const bool allowed = options_.static_graph || !options_.find_unused_parameters;
-  if (rebuilt_ || !allowed || iteration_ == 0) return;
+  if (rebuilt_ || !allowed || sharded() || iteration_ == 0) return;
   rebuilt_ = true;
   // Complete the observed order with parameters that never became ready.
   std::vector<bool> listed(params_.size(), false);
@@ -140,6 +148,54 @@ size_t Reducer::inPlaceBuckets() const {
   size_t n = 0;
   for (const auto& b : buckets_) n += inPlace(b) ? 1 : 0;
   return n;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucketOffsets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.offsets);
+  return out;
+}
+
+std::vector<int64_t> Reducer::paddedNumels() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(sharded(), "padded bucket lengths exist only with zero_stage=2");
+  std::vector<int64_t> out;
+  for (const auto& b : buckets_) out.push_back(b.padded_numel);
+  return out;
+}
+
+std::vector<at::Tensor> Reducer::gradShards() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(sharded(), "gradient shards exist only with zero_stage=2");
+  std::vector<at::Tensor> out;
+  for (const auto& b : buckets_) out.push_back(b.shard);
+  return out;
+}
+
+void Reducer::zeroGradShards(bool set_to_none) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& b : buckets_) {
+    if (b.shard.defined()) b.shard.zero_();
+  }
+  if (set_to_none) has_grad_.assign(params_.size(), false);
+}
+
+std::vector<bool> Reducer::paramsWithGradients() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return has_grad_;
+}
+
+void Reducer::setReduceDType(at::ScalarType dtype) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(sharded(), "a reduce dtype is only set with zero_stage=2");
+  TORCH_CHECK(at::isFloatingType(dtype), "the reduce dtype must be a floating type, got ",
+              dtype);
+  TORCH_CHECK(iteration_ == 0 && !expect_hooks_ && !comm_hook_,
+              "register_comm_hook can only be called once, before the first forward");
+  reduce_dtype_ = dtype;
+  // Divided on the way in (a sum of N values must fit the narrower format).
+  for (auto& b : buckets_) b.average_in_reduction = false;
 }
 
 void Reducer::registerCommHook(std::unique_ptr<c10d::CommHookInterface> hook) {
@@ -196,6 +252,10 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   for (auto& b : buckets_) {
     b.pending = b.members.size();
     b.future.reset();
+    if (sharded()) {
+      b.flat = at::Tensor();
+      b.scattered = at::Tensor();
+    }
   }
   const bool staticAfterFirst = options_.static_graph && iteration_ > 0;
   if (staticAfterFirst) {
@@ -247,6 +307,7 @@ void Reducer::markReadyLocked(size_t index, bool used) {
     --bucket.pending;
     return;
   }
+  if (sharded() && !bucket.flat.defined()) allocateFlatLocked(bucket);
   at::Tensor view = bucket.view(position_of_[index], params_[index]);
   // Without a comm hook, averaging is either fused into the reduction
   // (fusedAverage) or, as torch does it, into this copy: x * (1/n) on the way
@@ -266,7 +327,50 @@ void Reducer::markReadyLocked(size_t index, bool used) {
     }
     if (options_.gradient_as_bucket_view) grad = view;
   }
+  // Stage 2 keeps no whole gradient: the bucket holds it until it is
+  // reduce-scattered into this rank's shard.
+  if (sharded()) grad = at::Tensor();
   --bucket.pending;
+}
+
+void Reducer::allocateFlatLocked(Bucket& b) const {
+  const auto dtype = reduce_dtype_.value_or(b.shard.scalar_type());
+  b.flat = at::empty({b.padded_numel}, b.shard.options().dtype(dtype));
+  const int64_t used = b.offsets.back() + b.lengths.back();
+  b.flat.narrow(0, used, b.padded_numel - used).zero_();  // the padding
+}
+
+// Reduce-scatters a full bucket. At most two buckets are in flight: before
+// the third is launched the oldest is finished (its flat bucket freed, its
+// result added into the shard), so that a rank never holds more than its
+// shards and two buckets, however far communication lags behind backward.
+void Reducer::launchReduceScatterLocked(Bucket& b) {
+  const size_t index = static_cast<size_t>(&b - buckets_.data());
+  if (index >= 2) finishShard(buckets_[index - 2]);
+  at::Tensor out = at::empty({b.padded_numel / group_->getSize()}, b.flat.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = b.average_in_reduction ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  b.future = group_->_reduce_scatter_base(out, b.flat, opts)->getFuture();
+  b.scattered = std::move(out);
+  b.flat = at::Tensor();  // the backend holds it until the collective has run
+}
+
+// Waits for the bucket's reduction and adds this rank's slice into its shard
+// (once: the future is dropped).
+void Reducer::finishShard(Bucket& b) {
+  if (!b.future) return;
+  b.future->wait();
+  if (comm_hook_) {
+    // A hook reduces the whole bucket (all-reduce semantics): keep our slice.
+    const at::Tensor result = comm_hook_->parseHookResult(b.future->value());
+    const int64_t n = b.shard.numel();
+    b.shard.add_(result.narrow(0, group_->getRank() * n, n));
+  } else {
+    b.shard.add_(b.scattered);
+  }
+  b.future.reset();
+  b.flat = at::Tensor();
+  b.scattered = at::Tensor();
 }
 
 // Launches every full bucket in bucket order, stopping at the first that is
@@ -287,6 +391,8 @@ void Reducer::launchReadyLocked() {
       c10d::GradBucket gb(next_launch_, buckets_.size(), b.flat, offsets, lengths, sizes,
                           params, std::nullopt);
       b.future = comm_hook_->runHook(gb);
+    } else if (sharded()) {
+      launchReduceScatterLocked(b);
     } else if (inPlace(b)) {
       std::vector<at::Tensor> grads;
       for (size_t m : b.members) grads.push_back(params_[m].mutable_grad());
@@ -380,9 +486,22 @@ void Reducer::finalizeBackward() {
   }
   if (next_launch_ < buckets_.size()) failUnreduced();
   expect_hooks_ = false;
+  const bool trackUsage = options_.find_unused_parameters || options_.static_graph;
+  if (sharded()) {
+    // Unused parameters contributed zeros to the shards: nothing to write back.
+    for (auto& b : buckets_) finishShard(b);
+    lock.unlock();
+    const std::vector<bool> used =
+        trackUsage ? globallyUsed() : std::vector<bool>(params_.size(), true);
+    lock.lock();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (used[i]) has_grad_[i] = true;
+    }
+    ++iteration_;
+    return;
+  }
   lock.unlock();
 
-  const bool trackUsage = options_.find_unused_parameters || options_.static_graph;
   for (auto& b : buckets_) {
     b.future->wait();
     if (comm_hook_) {

@@ -14,6 +14,15 @@
 //                       bucket and writes the averages back into .grad.
 // After the first iteration the buckets are rebuilt once from the order in
 // which gradients became ready on rank 0 (broadcast, so all ranks agree).
+//
+// ZeRO stage 2 (zero_stage = 2): each bucket is padded to a multiple of the
+// group size and rank r owns its r-th equal slice. A full bucket is
+// reduce-scattered instead of all-reduced, the result is added into the
+// bucket's persistent gradient shard (1/N of the bucket), and .grad is
+// released as soon as it is copied into the bucket: after backward a rank
+// holds its shards and nothing else. The flat bucket itself lives for one
+// backward, from its first gradient until its reduce-scatter has run. The
+// layout never changes (no rebuild): the optimizer's state is laid out on it.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -22,6 +31,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -41,6 +51,7 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
+  int zero_stage = 0;  // 2: reduce-scatter into gradient shards (see above)
 };
 
 class Reducer {
@@ -61,6 +72,24 @@ class Reducer {
   size_t inPlaceBuckets() const;
   bool bucketsRebuilt() const { return rebuilt_; }
 
+  // ZeRO stage 2. Per bucket: its members' element offsets in the flat
+  // bucket and the padded length (a multiple of the group size).
+  std::vector<std::vector<int64_t>> bucketOffsets() const;
+  std::vector<int64_t> paddedNumels() const;
+  // This rank's slice of each bucket's averaged gradient, accumulated over
+  // synced backwards until zeroGradShards().
+  std::vector<at::Tensor> gradShards() const;
+  // Zeroes the shards; with set_to_none, every parameter is also "without a
+  // gradient" again, as torch's zero_grad makes .grad None.
+  void zeroGradShards(bool set_to_none);
+  // Per parameter: whether some rank produced its gradient in a synced
+  // backward since the last zeroGradShards(set_to_none=true). An optimizer
+  // skips the others, as torch's skip a parameter whose .grad is None.
+  std::vector<bool> paramsWithGradients() const;
+  // Buckets are reduced in this floating dtype and added into the shards in
+  // the parameters' (a compress hook under reduce-scatter).
+  void setReduceDType(at::ScalarType dtype);
+
  private:
   struct Bucket : FlatBucket {
     bool average_in_reduction = false;  // fusedAverage(flat), fixed per bucket
@@ -68,6 +97,11 @@ class Reducer {
     bool in_place_capable = false;
     size_t pending = 0;
     c10::intrusive_ptr<c10::ivalue::Future> future;
+    // ZeRO stage 2: the padded length, this rank's gradient slice, and the
+    // reduce-scatter's output until it is added into the slice.
+    int64_t padded_numel = 0;
+    at::Tensor shard;
+    at::Tensor scattered;
   };
 
   void autogradHook(size_t index);
@@ -85,6 +119,10 @@ class Reducer {
   std::vector<bool> globallyUsed() const;
   void waitLaunchedBuckets();
   [[noreturn]] void failUnreduced();
+  bool sharded() const { return options_.zero_stage == 2; }
+  void allocateFlatLocked(Bucket& b) const;
+  void launchReduceScatterLocked(Bucket& b);
+  void finishShard(Bucket& b);
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -108,6 +146,8 @@ class Reducer {
   std::vector<size_t> ready_order_;  // first iteration, for the rebuild
   int64_t iteration_ = 0;
   bool rebuilt_ = false;
+  std::optional<at::ScalarType> reduce_dtype_;  // stage 2 compression
+  std::vector<bool> has_grad_;                  // stage 2: see paramsWithGradients()
 };
 
 }  // namespace dsparallel

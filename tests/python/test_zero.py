@@ -1,8 +1,9 @@
-"""ZeRO stage 1 (dsparallel.ZeroRedundancyOptimizer), held against the plain
+"""ZeRO stages 1 and 2 (dsparallel.ZeroRedundancyOptimizer, stage 2 with
+DistributedDataParallel(zero_stage=2)), held against the plain
 single-process computation: AdamW with weight decay and global-norm clipping
 on a model whose parameter sizes do not divide by the world size, checkpoints
-resharded across world sizes, consolidation into a plain AdamW, bad input;
-and torch's FSDP2 (fully_shard) over "dsp"."""
+resharded across world sizes, consolidation into a plain AdamW, comm hooks,
+bad input; and torch's FSDP2 (fully_shard) over "dsp"."""
 
 import os
 
@@ -55,17 +56,24 @@ def _train(rank, world, ddp_class, opt_factory, steps=STEPS, clip=None):
     return model
 
 
+def _ddp(stage):
+    """Our DDP for ZeRO stage ``stage`` (1: all-reduce, 2: reduce-scatter)."""
+    return lambda m, **kw: dsparallel.DistributedDataParallel(
+        m, zero_stage=2 if stage == 2 else 0, **kw
+    )
+
+
 def _close(a, b, rtol=1e-6, atol=1e-7):
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
 
 
-def _equivalence_body(rank, world):
+def _equivalence_body(rank, world, stage):
     ref = _reference()
     ours = _train(
         rank,
         world,
-        dsparallel.DistributedDataParallel,
+        _ddp(stage),
         lambda ps: dsparallel.ZeroRedundancyOptimizer(ps, torch.optim.AdamW, **LR),
         clip=lambda m, opt: opt.clip_grad_norm_(CLIP),
     )
@@ -80,20 +88,38 @@ def _equivalence_body(rank, world):
         clip=lambda m, opt: nn.utils.clip_grad_norm_(m.parameters(), CLIP),
     )
     _close(ours, theirs)
-    # Each rank holds about 1/world of the state.
-    opt = dsparallel.ZeroRedundancyOptimizer(_model().parameters(), torch.optim.AdamW)
-    total = sum(p.numel() for p in _model().parameters())
-    assert sum(s.param.numel() for s in opt._shards) == -(-total // world)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_adamw_with_clipping_equals_one_process_and_torch_zero(world):
-    run_ranks(_equivalence_body, world)
-
-
-def _consolidate_body(rank, world):
+    # Each rank holds 1/world of the state (the slices cover every element
+    # once), and under stage 2 only its shard of the gradients.
     model = _model()
-    ddp = dsparallel.DistributedDataParallel(model)
+    ddp = _ddp(stage)(model)
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)
+    total = sum(p.numel() for p in model.parameters())
+    mine = sum(r.param.numel() for r in opt._pieces)
+    assert mine <= -(-total // world)
+    covered = torch.tensor([mine])
+    dist.all_reduce(covered)
+    assert covered.item() == total
+    x, y = _batch(0)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    if stage == 2:
+        assert all(p.grad is None for p in model.parameters())
+        shards = ddp.reducer.grad_shards()
+        held = sum(g.numel() for g in shards)
+        assert held == sum(b.flat.numel() // world for b in opt._buffers)
+        assert held < total // world + len(shards)
+    else:
+        assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_adamw_with_clipping_equals_one_process_and_torch_zero(world, stage):
+    run_ranks(_equivalence_body, world, stage)
+
+
+def _consolidate_body(rank, world, stage):
+    model = _model()
+    ddp = _ddp(stage)(model)
     opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
     for step in range(5):
         x, y = _batch(step)
@@ -120,13 +146,14 @@ def _consolidate_body(rank, world):
         _close(plain_model, ref)
 
 
-def test_consolidated_state_loads_into_plain_adamw():
-    run_ranks(_consolidate_body, 2)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_consolidated_state_loads_into_plain_adamw(stage):
+    run_ranks(_consolidate_body, 2, stage)
 
 
-def _resume_body(rank, world, path, save):
+def _resume_body(rank, world, path, save, stage):
     model = _model()
-    ddp = dsparallel.DistributedDataParallel(model)
+    ddp = _ddp(stage)(model)
     opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
     first = 0
     if not save:
@@ -152,10 +179,11 @@ def _resume_body(rank, world, path, save):
     return losses
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("resume_world", [4, 1])
-def test_save_at_two_ranks_resume_at_another_world_size(tmp_path, resume_world):
-    uninterrupted = run_ranks(_resume_body, 2, str(tmp_path), True)[0]
-    resumed = run_ranks(_resume_body, resume_world, str(tmp_path), False)[0]
+def test_save_at_two_ranks_resume_at_another_world_size(tmp_path, resume_world, stage):
+    uninterrupted = run_ranks(_resume_body, 2, str(tmp_path), True, stage)[0]
+    resumed = run_ranks(_resume_body, resume_world, str(tmp_path), False, stage)[0]
     torch.testing.assert_close(resumed, uninterrupted[5:], rtol=1e-6, atol=1e-7)
 
 
@@ -180,6 +208,19 @@ def _bad_input_body(rank, world):
     wrong = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 3)}}}
     wrong["param_groups"] = opt.state_dict()["param_groups"]
     expect(ValueError, lambda: opt.load_state_dict(wrong), "parameter 0", "(7, 13)")
+    # DDP's zero_stage: its values, and what stage 2 cannot do.
+    DDP = dsparallel.DistributedDataParallel
+    expect(ValueError, lambda: DDP(_model(), zero_stage=3), "zero_stage must be 0, 1 or 2")
+    expect(
+        ValueError,
+        lambda: DDP(_model(), zero_stage=2, gradient_as_bucket_view=True),
+        "gradient_as_bucket_view",
+    )
+    # Stage 2 keeps no .grad: a plain optimizer would step nothing, silently.
+    model = _model()
+    ddp = DDP(model, zero_stage=2)
+    torch.optim.AdamW(model.parameters())
+    expect(RuntimeError, lambda: ddp(torch.randn(2, 13)), "ZeroRedundancyOptimizer")
 
 
 def test_bad_input_raises_on_every_rank():
@@ -218,8 +259,8 @@ def _mixed_dtypes_body(rank, world):
     opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     # One buffer per dtype; the bf16 slice is stepped in an fp32 master copy,
     # and the parameters are views into the buffers.
-    assert sorted(str(s.dtype) for s in opt._shards) == ["torch.bfloat16", "torch.float32"]
-    assert all(s.param.dtype == torch.float32 for s in opt._shards)
+    assert sorted(str(b.dtype) for b in opt._buffers) == ["torch.bfloat16", "torch.float32"]
+    assert all(r.param.dtype == torch.float32 for r in opt._pieces)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
@@ -234,7 +275,7 @@ def test_mixed_dtypes_are_sharded_per_dtype():
     run_ranks(_mixed_dtypes_body, 2)
 
 
-def _no_sync_frozen_body(rank, world):
+def _no_sync_frozen_body(rank, world, stage):
     """no_sync accumulation over 3 micro-batches equals the big batch, with a
     frozen layer that ZeRO leaves alone."""
     ref = _model()
@@ -243,7 +284,7 @@ def _no_sync_frozen_body(rank, world):
     model = _model()
     model[0].requires_grad_(False)
     frozen = [p.detach().clone() for p in model[0].parameters()]
-    ddp = dsparallel.DistributedDataParallel(model)
+    ddp = _ddp(stage)(model)
     opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
     for step in range(5):
         x, y = _batch(step)
@@ -263,5 +304,85 @@ def _no_sync_frozen_body(rank, world):
     assert all(torch.equal(p, f) for p, f in zip(model[0].parameters(), frozen))
 
 
-def test_no_sync_accumulation_and_frozen_parameters():
-    run_ranks(_no_sync_frozen_body, 2)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_no_sync_accumulation_and_frozen_parameters(stage):
+    run_ranks(_no_sync_frozen_body, 2, stage)
+
+
+def _stage2_options_body(rank, world):
+    """Stage 2 with unused parameters, with several buckets, with accumulation
+    over synced backwards (each reduce-scatter adds into the shard), with
+    parameter groups of their own, and with a comm hook of all-reduce
+    semantics: every one equals the one-process run."""
+
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _model()
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.body(x)
+
+    def run(distributed, hook=None, **ddp_kw):
+        torch.manual_seed(0)
+        model = WithUnused()
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if "bias" not in n]},
+            {"params": [p for n, p in model.named_parameters() if "bias" in n], "weight_decay": 0},
+        ]
+        if distributed:
+            ddp = dsparallel.DistributedDataParallel(model, zero_stage=2, **ddp_kw)
+            if hook is not None:
+                ddp.register_comm_hook(None, hook)
+            opt = dsparallel.ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **LR)
+        else:
+            ddp, opt = model, torch.optim.AdamW(groups, **LR)
+        for step in range(6):
+            x, y = _batch(step)
+            opt.zero_grad()
+            for half in (0, 1):  # two synced backwards accumulate
+                xs, ys = x.chunk(2)[half], y.chunk(2)[half]
+                if distributed:
+                    xs, ys = xs.chunk(world)[rank], ys.chunk(world)[rank]
+                (nn.functional.mse_loss(ddp(xs), ys) / 2).backward()
+            opt.step()
+        return model
+
+    ref = run(False)
+    _close(run(True, find_unused_parameters=True, bucket_cap_mb=0.0003), ref)
+    _close(run(True, hook=dsparallel.comm_hooks.allreduce_hook, find_unused_parameters=True), ref)
+
+
+def test_stage2_unused_buckets_accumulation_groups_and_hooks():
+    run_ranks(_stage2_options_body, 2)
+
+
+def _compress_body(rank, world):
+    """A bf16 compress hook under stage 2 reduce-scatters in bf16 and gives what
+    the same hook gives under all-reduce (stage 1)."""
+
+    def run(stage, hook):
+        model = _model()
+        ddp = _ddp(stage)(model)
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
+        for step in range(5):
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        return model
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    exact = run(1, None)
+    for hook in (dsparallel.comm_hooks.bf16_compress_hook, default_hooks.bf16_compress_hook):
+        stage1, stage2 = run(1, hook), run(2, hook)
+        _close(stage2, stage1, rtol=1e-5, atol=1e-6)
+        assert any(not torch.equal(p, q) for p, q in zip(stage2.parameters(), exact.parameters()))
+
+
+def test_stage2_bf16_compress_hook_reduce_scatters_in_bf16():
+    run_ranks(_compress_body, 2)
