@@ -10,10 +10,16 @@ backward, step) over the timed steps:
 
 - torch DDP + AdamW (the baseline: every rank holds everything),
 - torch DDP + torch's ZeroRedundancyOptimizer (stage 1, whole parameters per rank),
+- our DDP + AdamW (our plain data parallelism),
 - our DDP + dsparallel.ZeroRedundancyOptimizer (stage 1, even flat shards),
+- our DDP(zero_stage=2) + dsparallel.ZeroRedundancyOptimizer (stage 2:
+  gradients reduce-scattered into shards),
 - torch's FSDP2 (fully_shard per layer) + AdamW over "dsp" (stage 3).
 
-All over the "dsp" backend. Ratios are against the baseline of the same run.
+All over the "dsp" backend. Ratios are against the baseline of the same
+run; the last lines compare stage 2's step time with our plain DDP's and
+with torch DDP + torch's ZeroRedundancyOptimizer's, and each rank's state
+and gradients with plain / N.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import time
 
 from launch import run_ranks
 
-CONFIGS = ["ddp+adamw", "ddp+torch-zero1", "ours-zero1", "fsdp2"]
+CONFIGS = ["ddp+adamw", "ddp+torch-zero1", "ours-ddp+adamw", "ours-zero1", "ours-zero2", "fsdp2"]
 
 
 def _bytes(t) -> int:
@@ -57,9 +63,13 @@ def _body(rank, world, config, layers, width, steps):
             fully_shard(layer)
         fully_shard(model)
         wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-    elif config == "ours-zero1":
-        wrapped = dsparallel.DistributedDataParallel(model)
-        opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+    elif config.startswith("ours"):
+        stage = 2 if config == "ours-zero2" else 0
+        wrapped = dsparallel.DistributedDataParallel(model, zero_stage=stage)
+        if config == "ours-ddp+adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        else:
+            opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
     else:
         wrapped = nn.parallel.DistributedDataParallel(model)
         if config == "ddp+torch-zero1":
@@ -76,13 +86,18 @@ def _body(rank, world, config, layers, width, steps):
         opt.zero_grad(set_to_none=False)
         wrapped(x).square().mean().backward()
         grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        if config == "ours-zero2":  # no .grad: the reducer's shards and staging buffers
+            grads += sum(_bytes(g) for g in wrapped.reducer.grad_shards())
+            grads += wrapped.reducer.staging_bytes
         opt.step()
         times.append(time.perf_counter() - t0)
     params = sum(_bytes(p) for p in model.parameters())
+    staging = wrapped.reducer.staging_bytes if config == "ours-zero2" else 0
     row = {
         "params": params,
         "grads": grads,
         "state": _state_bytes(opt),
+        "staging": staging,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step": statistics.median(times[1:]),
     }
@@ -125,6 +140,21 @@ def main():
             if world > 1:
                 states = [x["state"] for x in r]
                 print(f"{'':>16}   opt state per rank (MB): {[round(s / mb, 1) for s in states]}")
+        if all((world, c) in results for c in ("ours-zero2", "ours-ddp+adamw", "ddp+torch-zero1")):
+            z2 = results[(world, "ours-zero2")]
+            plain = results[(world, "ddp+adamw")][0]
+            ours = results[(world, "ours-ddp+adamw")][0]["step"]
+            torch_zero = results[(world, "ddp+torch-zero1")][0]["step"]
+            print(
+                f"stage 2 step time: {z2[0]['step'] / ours:.2f}x our DDP + AdamW, "
+                f"{z2[0]['step'] / torch_zero:.2f}x torch DDP + torch ZeroRedundancyOptimizer"
+            )
+            print(
+                "stage 2 per rank / (plain / N): opt state "
+                f"{[round(x['state'] / (plain['state'] / world), 4) for x in z2]}, grads "
+                f"{[round(x['grads'] / (plain['grads'] / world), 4) for x in z2]} "
+                f"(grads include two staging buckets of {z2[0]['staging'] / 2e6:.1f} MB each)"
+            )
     if args.png:
         import matplotlib
 

@@ -138,6 +138,7 @@ PYBIND11_MODULE(_C, m) {
       .def("zero_grad_shards", &dsparallel::Reducer::zeroGradShards,
            py::arg("set_to_none"))
       .def("params_with_gradients", &dsparallel::Reducer::paramsWithGradients)
+      .def_property_readonly("staging_bytes", &dsparallel::Reducer::stagingBytes)
       .def("set_reduce_dtype", &dsparallel::Reducer::setReduceDType, py::arg("dtype"));
 
   namespace pp = dsp::pipeline;

@@ -257,6 +257,7 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
       b.scattered = at::Tensor();
     }
   }
+  staging_user_[0] = staging_user_[1] = -1;
   const bool staticAfterFirst = options_.static_graph && iteration_ > 0;
   if (staticAfterFirst) {
     hooks_left_ = hook_counts_;
@@ -333,9 +334,27 @@ void Reducer::markReadyLocked(size_t index, bool used) {
   --bucket.pending;
 }
 
-void Reducer::allocateFlatLocked(Bucket& b) const {
-  const auto dtype = reduce_dtype_.value_or(b.shard.scalar_type());
-  b.flat = at::empty({b.padded_numel}, b.shard.options().dtype(dtype));
+void Reducer::allocateFlatLocked(Bucket& b) {
+  const auto index = static_cast<int64_t>(&b - buckets_.data());
+  const int slot = static_cast<int>(index % 2);
+  const int64_t user = staging_user_[slot];
+  // The slot's previous bucket, if launched, is finished first (it frees it).
+  if (user >= 0 && user != index) finishShard(buckets_[user]);
+  const auto options =
+      b.shard.options().dtype(reduce_dtype_.value_or(b.shard.scalar_type()));
+  if (staging_user_[slot] < 0) {
+    if (!staging_[slot].defined() || staging_[slot].dtype() != options.dtype()) {
+      int64_t largest = 0;
+      for (const auto& other : buckets_) largest = std::max(largest, other.padded_numel);
+      staging_[slot] = at::empty({largest}, options);
+    }
+    b.flat = staging_[slot].narrow(0, 0, b.padded_numel);
+    staging_user_[slot] = index;
+  } else {
+    // Its bucket is still filling (gradients came out of bucket order): this
+    // one gets a buffer of its own for this backward.
+    b.flat = at::empty({b.padded_numel}, options);
+  }
   const int64_t used = b.offsets.back() + b.lengths.back();
   b.flat.narrow(0, used, b.padded_numel - used).zero_();  // the padding
 }
@@ -347,12 +366,15 @@ void Reducer::allocateFlatLocked(Bucket& b) const {
 void Reducer::launchReduceScatterLocked(Bucket& b) {
   const size_t index = static_cast<size_t>(&b - buckets_.data());
   if (index >= 2) finishShard(buckets_[index - 2]);
-  at::Tensor out = at::empty({b.padded_numel / group_->getSize()}, b.flat.options());
+  const int64_t n = b.padded_numel / group_->getSize();
+  // Over our shared memory the result may land in the bucket's own slice
+  // (each step copies a slice in before writing it): no output to allocate.
+  at::Tensor out = dspSharedMemory(b.flat) ? b.flat.narrow(0, group_->getRank() * n, n)
+                                           : at::empty({n}, b.flat.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = b.average_in_reduction ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
   b.future = group_->_reduce_scatter_base(out, b.flat, opts)->getFuture();
   b.scattered = std::move(out);
-  b.flat = at::Tensor();  // the backend holds it until the collective has run
 }
 
 // Waits for the bucket's reduction and adds this rank's slice into its shard
@@ -371,6 +393,18 @@ void Reducer::finishShard(Bucket& b) {
   b.future.reset();
   b.flat = at::Tensor();
   b.scattered = at::Tensor();
+  const auto index = static_cast<int64_t>(&b - buckets_.data());
+  for (auto& user : staging_user_) {
+    if (user == index) user = -1;
+  }
+}
+
+int64_t Reducer::stagingBytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t bytes = 0;
+  for (const auto& t : staging_)
+    bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  return bytes;
 }
 
 // Launches every full bucket in bucket order, stopping at the first that is

@@ -19,10 +19,12 @@
 // group size and rank r owns its r-th equal slice. A full bucket is
 // reduce-scattered instead of all-reduced, the result is added into the
 // bucket's persistent gradient shard (1/N of the bucket), and .grad is
-// released as soon as it is copied into the bucket: after backward a rank
-// holds its shards and nothing else. The flat bucket itself lives for one
-// backward, from its first gradient until its reduce-scatter has run. The
-// layout never changes (no rebuild): the optimizer's state is laid out on it.
+// released as soon as it is copied into the bucket. Flat buckets take turns
+// in two staging buffers kept across iterations (bucket k uses buffer k % 2,
+// after bucket k-2's reduction has finished with it): a rank holds its
+// shards plus two buckets, and never faults fresh pages in per iteration.
+// The layout never changes (no rebuild): the optimizer's state is laid out
+// on it.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -79,6 +81,8 @@ class Reducer {
   // This rank's slice of each bucket's averaged gradient, accumulated over
   // synced backwards until zeroGradShards().
   std::vector<at::Tensor> gradShards() const;
+  // Bytes of the two staging buffers (held across iterations).
+  int64_t stagingBytes() const;
   // Zeroes the shards; with set_to_none, every parameter is also "without a
   // gradient" again, as torch's zero_grad makes .grad None.
   void zeroGradShards(bool set_to_none);
@@ -120,7 +124,7 @@ class Reducer {
   void waitLaunchedBuckets();
   [[noreturn]] void failUnreduced();
   bool sharded() const { return options_.zero_stage == 2; }
-  void allocateFlatLocked(Bucket& b) const;
+  void allocateFlatLocked(Bucket& b);
   void launchReduceScatterLocked(Bucket& b);
   void finishShard(Bucket& b);
 
@@ -148,6 +152,8 @@ class Reducer {
   bool rebuilt_ = false;
   std::optional<at::ScalarType> reduce_dtype_;  // stage 2 compression
   std::vector<bool> has_grad_;                  // stage 2: see paramsWithGradients()
+  at::Tensor staging_[2];                       // stage 2: see the top
+  int64_t staging_user_[2] = {-1, -1};          // the bucket using each, or -1
 };
 
 }  // namespace dsparallel

@@ -106,7 +106,7 @@ def _equivalence_body(rank, world, stage):
         shards = ddp.reducer.grad_shards()
         held = sum(g.numel() for g in shards)
         assert held == sum(b.flat.numel() // world for b in opt._buffers)
-        assert held < total // world + len(shards)
+        assert held <= total // world + len(shards)
     else:
         assert all(p.grad is not None for p in model.parameters())
 
