@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One prepared run for a machine with a GPU: build, the GPU tests, a short
-# GPU benchmark. Results go to ${OUT:-gpu_out}/ (build log, pytest log,
-# benchmark table and JSON). Meant to finish in well under 6 minutes on one
-# GPU. Uses the torch already installed there (no download).
+# GPU benchmark, and the ZeRO benchmark with CPU ranks on the machine's own
+# cores (one core per rank: no oversubscription, unlike a 2-core machine).
+# Results go to ${OUT:-gpu_out}/ (build log, pytest log, benchmark tables
+# and JSON). Meant to finish in under 8 minutes on one GPU. Uses the torch
+# already installed there (no download). GPU_BENCH=0 / ZERO_BENCH=0 skip a
+# benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
@@ -19,7 +22,13 @@ if ! timeout 300 "$PY" -m pip install --no-build-isolation --no-deps -e . > "$OU
 fi
 echo "build: $(( $(date +%s) - start )) s"
 timeout 150 "$PY" -m pytest -v -rs tests/python/test_gpu.py tests/python/test_collectives.py \
+  tests/python/test_zero.py \
   > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? (tail):"; tail -3 "$OUT/pytest.log"
-timeout 120 "$PY" benchmarks/gpu.py --json "$OUT/gpu_bench.json" | tee "$OUT/gpu_bench.txt"
+if [[ "${GPU_BENCH:-1}" == 1 ]]; then
+  timeout 120 "$PY" benchmarks/gpu.py --json "$OUT/gpu_bench.json" | tee "$OUT/gpu_bench.txt"
+fi
+if [[ "${ZERO_BENCH:-1}" == 1 ]]; then
+  (cd benchmarks && timeout 330 "$PY" zero.py --worlds 2 4) | tee "$OUT/zero_cpu.txt"
+fi
 echo "total: $(( $(date +%s) - start )) s"
