@@ -413,8 +413,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
               "dsp reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ",
               inputs.size(), " inputs");
-  return coalesced(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                   "reduce_scatter_tensor_coalesced", outputs, inputs,
+  // OpType::REDUCE_SCATTER_TENSOR_COALESCED is newer than torch 2.11.
+  return coalesced(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+                   inputs,
                    [&](size_t i) { _reduce_scatter_base(outputs[i], inputs[i], opts); });
 }
 
