@@ -67,11 +67,16 @@ def _body(rank, world, config, layers, width, steps):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     if config == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # A CPU mesh, given explicitly: on a machine with a GPU the default is a CUDA mesh
+        # (NCCL refuses two ranks on one GPU).
+        mesh = init_device_mesh("cpu", (world,))
+
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     elif config.startswith("ours"):
         stage = 2 if config == "ours-zero2" else 0

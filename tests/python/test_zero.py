@@ -228,14 +228,19 @@ def test_bad_input_raises_on_every_rank():
 
 
 def _fsdp2_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    # A CPU mesh, given explicitly: on a machine with a GPU the default is a CUDA mesh
+    # (NCCL refuses two ranks on one GPU).
+    mesh = init_device_mesh("cpu", (world,))
 
     ref = _model()
     ref_opt = torch.optim.AdamW(ref.parameters(), **LR)
     model = _model()
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), **LR)
     for step in range(10):
         x, y = _batch(step)
