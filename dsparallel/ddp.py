@@ -5,6 +5,11 @@ arguments, ``module``, ``no_sync()``, ``register_comm_hook`` and the
 ``state_dict`` keys (``module.`` prefix) are torch's. Gradients are reduced
 in fused buckets whose all-reduce is launched the moment the bucket fills,
 overlapping the rest of backward (see csrc/ddp/reducer.h).
+
+``zero_stage=2`` (keyword-only; 0 and 1 reduce as above) makes the reducer
+reduce-scatter each bucket into this rank's gradient shard instead (ZeRO
+stage 2): ``.grad`` is not kept, and ``dsparallel.ZeroRedundancyOptimizer``
+steps the shards (see dsparallel/zero.py).
 """
 
 from __future__ import annotations
