@@ -6,7 +6,7 @@ On an MLP of ``layers`` Linear(width, width) layers (12 x 2048: 50M
 parameters), one run per configuration and world size, each rank measures
 the bytes of optimizer state and of gradients it actually holds after
 backward and step, its peak RSS, and the median step time (forward,
-backward, step) over the timed steps:
+backward, step; steps back to back after one barrier) over the timed steps:
 
 - torch DDP + AdamW (the baseline: every rank holds everything),
 - torch DDP + torch's ZeroRedundancyOptimizer (stage 1, whole parameters per rank),
@@ -15,7 +15,9 @@ backward, step) over the timed steps:
 - our DDP + AdamW (our plain data parallelism),
 - our DDP + dsparallel.ZeroRedundancyOptimizer (stage 1, even flat shards),
 - our DDP(zero_stage=2) + dsparallel.ZeroRedundancyOptimizer (stage 2:
-  gradients reduce-scattered into shards),
+  gradients reduce-scattered into shards), and the same with
+  ``overlap_param_gather=True`` (each step's all-gathers overlap the next
+  forward),
 - torch's FSDP2 (fully_shard per layer) + AdamW over "dsp" (stage 3).
 
 All over the "dsp" backend. Ratios are against the baseline of the same
@@ -40,6 +42,7 @@ CONFIGS = [
     "ours-ddp+adamw",
     "ours-zero1",
     "ours-zero2",
+    "ours-zero2-overlap",
     "fsdp2",
 ]
 
@@ -79,8 +82,11 @@ def _body(rank, world, config, layers, width, steps):
         fully_shard(model, mesh=mesh)
         wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     elif config.startswith("ours"):
-        stage = 2 if config == "ours-zero2" else 0
-        wrapped = dsparallel.DistributedDataParallel(model, zero_stage=stage)
+        stage = 2 if config.startswith("ours-zero2") else 0
+        overlap = config.endswith("overlap")
+        wrapped = dsparallel.DistributedDataParallel(
+            model, zero_stage=stage, overlap_param_gather=overlap
+        )
         if config == "ours-ddp+adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:
@@ -96,19 +102,24 @@ def _body(rank, world, config, layers, width, steps):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(32, width)
     times = []
+    # One barrier, then steps back to back (a barrier per step would also
+    # wait for the all-gathers that overlap_param_gather leaves running).
+    dist.barrier()
+    t0 = time.perf_counter()
     for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         wrapped(x).square().mean().backward()
         grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        if config == "ours-zero2":  # no .grad: the reducer's shards and staging buffers
+        if config.startswith("ours-zero2"):  # no .grad: the reducer's shards and staging
             grads += sum(_bytes(g) for g in wrapped.reducer.grad_shards())
             grads += wrapped.reducer.staging_bytes
         opt.step()
         times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    if config == "ours-zero2-overlap":
+        wrapped.wait_param_gather()
     params = sum(_bytes(p) for p in model.parameters())
-    staging = wrapped.reducer.staging_bytes if config == "ours-zero2" else 0
+    staging = wrapped.reducer.staging_bytes if config.startswith("ours-zero2") else 0
     row = {
         "params": params,
         "grads": grads,
@@ -162,11 +173,13 @@ def main():
             ours = results[(world, "ours-ddp+adamw")][0]["step"]
             torch_zero = results[(world, "ddp+torch-zero1")][0]["step"]
             fused = results[(world, "ddp+torch-zero1-fused")][0]["step"]
-            print(
-                f"stage 2 step time: {z2[0]['step'] / ours:.2f}x our DDP + AdamW, "
-                f"{z2[0]['step'] / torch_zero:.2f}x torch DDP + torch ZeroRedundancyOptimizer "
-                f"({z2[0]['step'] / fused:.2f}x the same with fused=True)"
-            )
+            for config in ("ours-zero2", "ours-zero2-overlap"):
+                step = results[(world, config)][0]["step"]
+                print(
+                    f"{config} step time: {step / ours:.2f}x our DDP + AdamW, "
+                    f"{step / torch_zero:.2f}x torch DDP + torch ZeroRedundancyOptimizer "
+                    f"({step / fused:.2f}x the same with fused=True)"
+                )
             print(
                 "stage 2 per rank / (plain / N): opt state "
                 f"{[round(x['state'] / (plain['state'] / world), 4) for x in z2]}, grads "

@@ -74,6 +74,7 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
         *,
         zero_stage: int = 0,
+        overlap_param_gather: bool = False,
         **kwargs,
     ):
         super().__init__()
@@ -99,6 +100,11 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(
                 "DistributedDataParallel: zero_stage=2 keeps only this rank's shard of each "
                 "bucket, so gradient_as_bucket_view=True has no bucket to view"
+            )
+        if overlap_param_gather and zero_stage != 2:
+            raise ValueError(
+                "DistributedDataParallel: overlap_param_gather=True needs zero_stage=2 "
+                "(the parameters all-gathered after the optimizer step are the DDP's buckets)"
             )
         self.zero_stage = zero_stage
         self.module = module
@@ -137,6 +143,8 @@ class DistributedDataParallel(nn.Module):
             zero_stage=2 if zero_stage == 2 else 0,
         )
         self._zero_buffers = self._shard_buckets([p for _, p in named]) if zero_stage == 2 else []
+        if overlap_param_gather:
+            self._wait_before_use(named)
 
     # ---------------------------------------------------------------- set-up
 
@@ -208,6 +216,29 @@ class DistributedDataParallel(nn.Module):
             buffers.append(buffer)
         return buffers
 
+    def _wait_before_use(self, named) -> None:
+        """overlap_param_gather: the optimizer step leaves each bucket's
+        all-gather running, and a module waits for the buckets of its own
+        parameters just before it runs, so the gathers of later layers
+        overlap the forward of earlier ones. (A module that uses another
+        module's parameter before that module runs would read it stale: such
+        models keep the default.)"""
+        for b in self._zero_buffers:
+            b.overlap_gather = True
+        buffer_of = {id(p): p._dsp_zero_buffer for _, p in named}
+        for module in self.module.modules():
+            own = [buffer_of[id(p)] for p in module.parameters(recurse=False) if id(p) in buffer_of]
+            if own:
+                module.register_forward_pre_hook(_waiter(list({id(b): b for b in own}.values())))
+
+    def wait_param_gather(self) -> None:
+        """With overlap_param_gather, the parameters hold the last step's
+        values only once this returns (or the next forward has run): call it
+        before reading them another way (a checkpoint, an evaluation that
+        does not go through this module's forward)."""
+        for b in self._zero_buffers:
+            b.wait_gather()
+
     # ---------------------------------------------------------------- training
 
     def forward(self, *inputs, **kwargs):
@@ -266,6 +297,14 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _waiter(buffers):
+    def wait(_module, _inputs):
+        for b in buffers:
+            b.wait_gather()
+
+    return wait
 
 
 def _compress_dtype(hook) -> torch.dtype | None:

@@ -70,6 +70,10 @@ class ShardedBuffer:
         self.reducer = reducer
         self.members = members  # stage 2: the parameters' indices in the reducer
         self.owner = None  # the optimizer that steps this buffer
+        # Stage 2 with overlap_param_gather: the all-gather after a step is
+        # left running, and the DDP's forward pre-hooks wait for it.
+        self.overlap_gather = False
+        self.pending = None
         self.pieces: list[_Piece] = []
         self.flat = torch.zeros(padded_numel, dtype=self.dtype, device=params[0].device)
         with torch.no_grad():
@@ -153,13 +157,22 @@ class ShardedBuffer:
                 out[a - self.lo : b - self.lo] = p.grad.reshape(-1)[a - o : b - o]
         return out
 
-    def gather(self, group) -> Any:
+    def start_gather(self, group) -> None:
         """Writes the master copies into the buffer and starts the all-gather
         that gives every rank the updated parameters."""
         for piece in self.pieces:
             if piece.param.data_ptr() != piece.view().data_ptr():
                 piece.view().copy_(piece.param)  # fp32 master -> the half-precision buffer
-        return _all_gather(self.flat, self.flat[self.lo : self.hi], group=group, async_op=True)
+        self.pending = _all_gather(
+            self.flat, self.flat[self.lo : self.hi], group=group, async_op=True
+        )
+
+    def wait_gather(self) -> None:
+        """Returns once the parameters hold the last step's values."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self.versions = self.param_versions()
 
 
 class _Piece:
@@ -352,18 +365,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._sync_options()
         for buffer in self._buffers:
+            buffer.wait_gather()  # a step again before any forward
             buffer.refresh_if_changed()
         for piece, grad in self._grads():
             piece.param.grad = grad
         self._inner.step()
-        works = []
         for buffer in self._buffers:
             for piece in buffer.pieces:
                 piece.param.grad = None
-            works.append(buffer.gather(self.process_group))  # into the parameters
-        for buffer, work in zip(self._buffers, works):
-            work.wait()
-            buffer.versions = buffer.param_versions()
+            buffer.start_gather(self.process_group)  # into the parameters
+        for buffer in self._buffers:
+            if not buffer.overlap_gather:
+                buffer.wait_gather()
         self._consolidated = None
         return loss
 

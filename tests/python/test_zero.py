@@ -211,6 +211,7 @@ def _bad_input_body(rank, world):
     # DDP's zero_stage: its values, and what stage 2 cannot do.
     DDP = dsparallel.DistributedDataParallel
     expect(ValueError, lambda: DDP(_model(), zero_stage=3), "zero_stage must be 0, 1 or 2")
+    expect(ValueError, lambda: DDP(_model(), overlap_param_gather=True), "needs zero_stage=2")
     expect(
         ValueError,
         lambda: DDP(_model(), zero_stage=2, gradient_as_bucket_view=True),
@@ -317,8 +318,9 @@ def test_no_sync_accumulation_and_frozen_parameters(stage):
 def _stage2_options_body(rank, world):
     """Stage 2 with unused parameters, with several buckets, with accumulation
     over synced backwards (each reduce-scatter adds into the shard), with
-    parameter groups of their own, and with a comm hook of all-reduce
-    semantics: every one equals the one-process run."""
+    parameter groups of their own, with the parameter all-gathers overlapped
+    with the next forward, and with a comm hook of all-reduce semantics:
+    every one equals the one-process run."""
 
     class WithUnused(nn.Module):
         def __init__(self):
@@ -352,14 +354,19 @@ def _stage2_options_body(rank, world):
                     xs, ys = xs.chunk(world)[rank], ys.chunk(world)[rank]
                 (nn.functional.mse_loss(ddp(xs), ys) / 2).backward()
             opt.step()
+        if distributed:
+            ddp.wait_param_gather()  # overlap_param_gather: the last step's gathers
         return model
 
     ref = run(False)
     _close(run(True, find_unused_parameters=True, bucket_cap_mb=0.0003), ref)
+    # Each step's all-gathers left running, waited for by each layer's forward.
+    small = dict(find_unused_parameters=True, bucket_cap_mb=0.0003)
+    _close(run(True, overlap_param_gather=True, **small), ref)
     _close(run(True, hook=dsparallel.comm_hooks.allreduce_hook, find_unused_parameters=True), ref)
 
 
-def test_stage2_unused_buckets_accumulation_groups_and_hooks():
+def test_stage2_unused_buckets_accumulation_groups_overlap_and_hooks():
     run_ranks(_stage2_options_body, 2)
 
 
