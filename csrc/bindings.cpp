@@ -177,7 +177,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_ranks", &pp::Schedule::num_ranks)
       .def_readonly("num_microbatches", &pp::Schedule::num_microbatches)
       .def_readonly("ranks", &pp::Schedule::ranks)
-      .def("validate", &pp::validate);
+      .def("validate", [](const pp::Schedule& s) { return pp::validate(s); });
   py::class_<dsparallel::pipeline::Runtime>(m, "PipelineRuntime")
       .def(py::init<std::vector<pp::Action>, int, int, int,
                     c10::intrusive_ptr<c10d::ProcessGroup>>(),

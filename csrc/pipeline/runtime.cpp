@@ -90,6 +90,13 @@ Runtime::Runtime(std::vector<dsp::pipeline::Action> actions, int num_stages,
       group_(std::move(group)) {
   TORCH_CHECK_VALUE(group_->getSize() == num_ranks_, "dsp pipeline: the schedule needs ",
                     num_ranks_, " ranks, the group has ", group_->getSize());
+  for (const auto& a : actions_) {
+    // The split backward (zero-bubble schedules) is generated and validated
+    // in the core, but this runtime does not execute it yet.
+    TORCH_CHECK_VALUE(a.type != ActionType::kInput && a.type != ActionType::kWeight,
+                      "dsp pipeline: the runtime does not run split-backward actions (",
+                      dsp::pipeline::toString(a), ") yet");
+  }
 }
 
 int Runtime::tag(int stage, int mb, bool backward, bool header) const {
@@ -268,6 +275,9 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
         slot.grad_output = std::move(p.data);
         break;
       }
+      case ActionType::kInput:
+      case ActionType::kWeight:
+        TORCH_CHECK(false, "unreachable: refused at construction");
     }
   }
   waitAll(pending);

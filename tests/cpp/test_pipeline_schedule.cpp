@@ -26,6 +26,63 @@ TEST(PipelineSchedule, GPipeAnd1F1BMatchClosedForms) {
   }
 }
 
+// The zero-bubble paper's comparison: F = I = W = 1, a whole backward B = 2.
+// 1F1B idles (p-1)(F+B) = 3(p-1) slots per rank, ZB-H1 (p-1)(F+I-W) = p-1,
+// at the same activation bound (p - r micro-batches on rank r).
+TEST(PipelineSchedule, ZeroBubbleH1MatchesThePaper) {
+  const Costs paper{1, 2, 1, 1};
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = p; m <= 32; ++m) {
+      const ScheduleStats one = validate(makeSchedule("1f1b", p, m), paper);
+      EXPECT_EQ(one.makespan, 3 * m + 3 * (p - 1)) << "1f1b p=" << p << " m=" << m;
+      const ScheduleStats zb = validate(makeSchedule("zb1p", p, m), paper);
+      EXPECT_EQ(zb.makespan, 3 * m + (p - 1)) << "zb1p p=" << p << " m=" << m;
+      EXPECT_NEAR(zb.bubble, double(p - 1) / (3 * m + p - 1), 1e-12);
+      for (int r = 0; r < p; ++r) {
+        EXPECT_LE(zb.peak_in_flight[r], p) << "zb1p p=" << p << " m=" << m;
+      }
+    }
+  }
+  // The numbers: 2 stages, 13/15 of 1F1B's time at 4 micro-batches,
+  // 25/27 at 8.
+  EXPECT_EQ(validate(makeSchedule("zb1p", 2, 4), paper).makespan, 13);
+  EXPECT_EQ(validate(makeSchedule("1f1b", 2, 4), paper).makespan, 15);
+  EXPECT_EQ(validate(makeSchedule("zb1p", 2, 8), paper).makespan, 25);
+  EXPECT_EQ(validate(makeSchedule("1f1b", 2, 8), paper).makespan, 27);
+}
+
+TEST(PipelineSchedule, SplitBackwardIsChecked) {
+  auto sched = [](std::vector<std::vector<std::string>> ranks, int stages, int m) {
+    Schedule s;
+    s.num_stages = stages;
+    s.num_ranks = static_cast<int>(ranks.size());
+    s.num_microbatches = m;
+    for (const auto& r : ranks) {
+      s.ranks.emplace_back();
+      for (const auto& t : r) s.ranks.back().push_back(parseAction(t));
+    }
+    return s;
+  };
+  auto reason = [](const Schedule& s) {
+    try {
+      validate(s);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  EXPECT_EQ(reason(sched({{"0F0", "0I0", "0W0"}}, 1, 1)), "valid");
+  EXPECT_NE(
+      reason(sched({{"0F0", "0W0", "0I0"}}, 1, 1)).find("before its input gradient"),
+      std::string::npos);
+  EXPECT_NE(reason(sched({{"0F0", "0I0"}}, 1, 1)).find("one I and one W"),
+            std::string::npos);
+  EXPECT_NE(reason(sched({{"0F0", "0B0", "0I0", "0W0"}}, 1, 1)).find("1 B, 1 I, 1 W"),
+            std::string::npos);
+  EXPECT_EQ(toString(parseAction("3W7")), "3W7");
+  EXPECT_EQ(toString(parseAction("0I2")), "0I2");
+}
+
 TEST(PipelineSchedule, InterleavedIsValidAndShrinksTheBubble) {
   for (int p = 1; p <= 8; ++p) {
     for (int v = 1; v <= 4; ++v) {

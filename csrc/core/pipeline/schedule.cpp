@@ -23,6 +23,10 @@ const char* kindName(ActionType t) {
       return "SEND_B";
     case ActionType::kRecvB:
       return "RECV_B";
+    case ActionType::kInput:
+      return "I";
+    case ActionType::kWeight:
+      return "W";
   }
   return "?";
 }
@@ -32,7 +36,28 @@ const char* kindName(ActionType t) {
 std::string num(int x) { return std::to_string(x); }
 
 bool isCompute(ActionType t) {
-  return t == ActionType::kForward || t == ActionType::kBackward;
+  return t == ActionType::kForward || t == ActionType::kBackward ||
+         t == ActionType::kInput || t == ActionType::kWeight;
+}
+
+// The actions whose result is the gradient sent to the previous stage.
+bool isInputGradient(ActionType t) {
+  return t == ActionType::kBackward || t == ActionType::kInput;
+}
+
+int costOf(ActionType t, const Costs& c) {
+  switch (t) {
+    case ActionType::kForward:
+      return c.forward;
+    case ActionType::kBackward:
+      return c.backward;
+    case ActionType::kInput:
+      return c.input;
+    case ActionType::kWeight:
+      return c.weight;
+    default:
+      return 0;
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -95,6 +120,60 @@ Orders interleaved(int p, int v, int m) {
   return out;
 }
 
+// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B
+// with the backward split into I and W. Each rank keeps 1F1B's order of F
+// and I (B becomes I) and puts a W, oldest first, into every slot where
+// that order's next action is not ready yet, which is where 1F1B waits; a W
+// also comes first when an F would otherwise hold more than p micro-batches
+// (F until W), 1F1B's peak. Later stages, whose 1F1B order waits most in the
+// cool-down, postpone their W's most. The order is found by list
+// scheduling in unit time (F = I = W = 1); its bubble is then (p - 1)(F + I
+// - W) = p - 1 slots, against 1F1B's (p - 1)(F + B) = 3(p - 1) with B = I +
+// W (GoogleTest checks both, to the slot).
+Orders zeroBubbleH1(int p, int m) {
+  Orders main = oneFOneB(p, m), out(p);
+  constexpr int kNever = -1;
+  std::vector<std::vector<int>> fEnd(p, std::vector<int>(m, kNever));
+  std::vector<std::vector<int>> iEnd(p, std::vector<int>(m, kNever));
+  std::vector<size_t> next(p, 0);
+  std::vector<int> nextF(p, 0), nextI(p, 0), nextW(p, 0);
+  auto doneBy = [](int end, int t) { return end != kNever && end <= t; };
+  for (int t = 0;; ++t) {
+    bool all = true;
+    for (int r = 0; r < p; ++r) {
+      if (nextW[r] == m) continue;
+      all = false;
+      bool ready = false, forced = false;
+      if (next[r] < main[r].size()) {
+        const Action& a = main[r][next[r]];
+        if (a.type == ActionType::kForward) {
+          ready = r == 0 || doneBy(fEnd[r - 1][a.microbatch], t);
+          forced = nextF[r] - nextW[r] >= p;  // a W first, to stay within p
+        } else {
+          ready = doneBy(fEnd[r][a.microbatch], t) &&
+                  (r == p - 1 || doneBy(iEnd[r + 1][a.microbatch], t));
+        }
+      }
+      if (ready && !forced) {
+        const Action& a = main[r][next[r]++];
+        if (a.type == ActionType::kForward) {
+          out[r].push_back(a);
+          fEnd[r][a.microbatch] = t + 1;
+          ++nextF[r];
+        } else {
+          out[r].push_back({ActionType::kInput, r, a.microbatch});
+          iEnd[r][a.microbatch] = t + 1;
+          ++nextI[r];
+        }
+      } else if (nextW[r] < nextI[r]) {
+        out[r].push_back({ActionType::kWeight, r, nextW[r]++});
+      }
+    }
+    if (all) break;
+  }
+  return out;
+}
+
 // Adds the transfers: a receive right before the compute that needs it, a
 // send right after the compute that produced it.
 Schedule withTransfers(const Orders& orders, int stages, int m) {
@@ -115,12 +194,14 @@ Schedule withTransfers(const Orders& orders, int stages, int m) {
         out.push_back(a);
         if (a.stage < stages - 1 && remote(a.stage, a.stage + 1))
           out.push_back({ActionType::kSendF, a.stage, a.microbatch});
-      } else {
+      } else if (isInputGradient(a.type)) {
         if (a.stage < stages - 1 && remote(a.stage, a.stage + 1))
           out.push_back({ActionType::kRecvB, a.stage, a.microbatch});
         out.push_back(a);
         if (a.stage > 0 && remote(a.stage - 1, a.stage))
           out.push_back({ActionType::kSendB, a.stage, a.microbatch});
+      } else {
+        out.push_back(a);  // W: nothing moves
       }
     }
   }
@@ -144,7 +225,8 @@ Action parseAction(const std::string& text) {
   static const std::map<std::string, ActionType> kKinds = {
       {"F", ActionType::kForward},    {"B", ActionType::kBackward},
       {"SEND_F", ActionType::kSendF}, {"RECV_F", ActionType::kRecvF},
-      {"SEND_B", ActionType::kSendB}, {"RECV_B", ActionType::kRecvB}};
+      {"SEND_B", ActionType::kSendB}, {"RECV_B", ActionType::kRecvB},
+      {"I", ActionType::kInput},      {"W", ActionType::kWeight}};
   const auto it = kKinds.find(kind);
   if (it == kKinds.end()) fail("unknown action kind '" + kind + "' in '" + text + "'");
   return {it->second, std::stoi(text.substr(0, i)), std::stoi(text.substr(j))};
@@ -167,12 +249,15 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
   }
   const int p = num_stages / stages_per_rank;
   const int m = num_microbatches;
-  if (name == "gpipe" || name == "1f1b") {
+  if (name == "gpipe" || name == "1f1b" || name == "zb1p") {
     if (stages_per_rank != 1) {
       fail(name + " runs one stage per rank; got " + num(stages_per_rank) +
            " (use interleaved_1f1b)");
     }
-    return withTransfers(name == "gpipe" ? gpipe(p, m) : oneFOneB(p, m), num_stages, m);
+    const Orders orders = name == "gpipe"  ? gpipe(p, m)
+                          : name == "1f1b" ? oneFOneB(p, m)
+                                           : zeroBubbleH1(p, m);
+    return withTransfers(orders, num_stages, m);
   }
   if (name == "interleaved_1f1b") {
     if (m % p != 0) {
@@ -181,13 +266,13 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
     }
     return withTransfers(interleaved(p, stages_per_rank, m), num_stages, m);
   }
-  fail("unknown pipeline schedule '" + name + "' (gpipe, 1f1b, interleaved_1f1b)");
+  fail("unknown pipeline schedule '" + name + "' (gpipe, 1f1b, interleaved_1f1b, zb1p)");
 }
 
 // ---------------------------------------------------------------------------
 // validation: structure first, then a unit-time simulation of all ranks
 
-ScheduleStats validate(const Schedule& s) {
+ScheduleStats validate(const Schedule& s, const Costs& costs) {
   const int S = s.num_stages, R = s.num_ranks, M = s.num_microbatches;
   if (R < 1 || S < 1 || M < 1 || static_cast<int>(s.ranks.size()) != R) {
     fail("schedule has " + num(static_cast<int>(s.ranks.size())) + " rank lists for " +
@@ -198,11 +283,12 @@ ScheduleStats validate(const Schedule& s) {
   // Each kind of action at most once per (stage, micro-batch), on its owner.
   std::map<ActionType, std::vector<int>> count;
   for (auto t : {ActionType::kForward, ActionType::kBackward, ActionType::kSendF,
-                 ActionType::kRecvF, ActionType::kSendB, ActionType::kRecvB}) {
+                 ActionType::kRecvF, ActionType::kSendB, ActionType::kRecvB,
+                 ActionType::kInput, ActionType::kWeight}) {
     count[t].assign(N, 0);
   }
   for (int r = 0; r < R; ++r) {
-    std::vector<int> forwardAt(N, -1);
+    std::vector<int> forwardAt(N, -1), inputAt(N, -1);
     for (size_t i = 0; i < s.ranks[r].size(); ++i) {
       const Action& a = s.ranks[r][i];
       if (a.stage < 0 || a.stage >= S || a.microbatch < 0 || a.microbatch >= M) {
@@ -217,17 +303,30 @@ ScheduleStats validate(const Schedule& s) {
         fail("rank " + num(r) + ": action " + toString(a) + " appears twice");
       }
       if (a.type == ActionType::kForward) forwardAt[key(a.stage, a.microbatch)] = int(i);
-      if (a.type == ActionType::kBackward && forwardAt[key(a.stage, a.microbatch)] < 0) {
+      if (a.type == ActionType::kInput) inputAt[key(a.stage, a.microbatch)] = int(i);
+      if (isInputGradient(a.type) && forwardAt[key(a.stage, a.microbatch)] < 0) {
         fail("rank " + num(r) + ": backward " + toString(a) +
              " comes before its forward");
+      }
+      if (a.type == ActionType::kWeight && inputAt[key(a.stage, a.microbatch)] < 0) {
+        fail("rank " + num(r) + ": weight gradient " + toString(a) +
+             " comes before its input gradient " +
+             toString({ActionType::kInput, a.stage, a.microbatch}));
       }
     }
   }
   for (int st = 0; st < S; ++st) {
     for (int mb = 0; mb < M; ++mb) {
       const size_t k = key(st, mb);
-      for (auto t : {ActionType::kForward, ActionType::kBackward}) {
-        if (count[t][k] != 1) fail("action " + toString({t, st, mb}) + " is missing");
+      if (count[ActionType::kForward][k] != 1)
+        fail("action " + toString({ActionType::kForward, st, mb}) + " is missing");
+      const int b = count[ActionType::kBackward][k], in = count[ActionType::kInput][k],
+                w = count[ActionType::kWeight][k];
+      if (!(b == 1 && in == 0 && w == 0) && !(b == 0 && in == 1 && w == 1)) {
+        fail("backward of micro-batch " + num(mb) + " of stage " + num(st) + " is " +
+             (b + in + w == 0 ? "missing" : "malformed") +
+             ": it needs one B, or one I and one W; it has " + num(b) + " B, " + num(in) +
+             " I, " + num(w) + " W");
       }
       // A transfer exists exactly when neighbouring stages sit on different ranks.
       const bool nextRemote = st + 1 < S && rankOfStage(st, R) != rankOfStage(st + 1, R);
@@ -250,8 +349,9 @@ ScheduleStats validate(const Schedule& s) {
   }
 
   // Unit-time simulation. ready*: the slot at which a value exists (-1: not yet).
-  std::vector<int> fwdDone(N, -1), bwdDone(N, -1), sentF(N, -1), sentB(N, -1),
-      recvF(N, -1), recvB(N, -1);
+  // bwdDone: the input gradient exists (B or I); inDone: I alone, for W.
+  std::vector<int> fwdDone(N, -1), bwdDone(N, -1), inDone(N, -1), sentF(N, -1),
+      sentB(N, -1), recvF(N, -1), recvB(N, -1);
   std::vector<size_t> pc(R, 0);
   std::vector<int> clock(R, 0), inFlight(R, 0);
   ScheduleStats stats;
@@ -274,7 +374,11 @@ ScheduleStats validate(const Schedule& s) {
                         ? fwdDone[key(a.stage - 1, a.microbatch)]
                         : recvF[k];
             break;
+          case ActionType::kWeight:
+            ready = inDone[k];
+            break;
           case ActionType::kBackward:
+          case ActionType::kInput:
             ready = a.stage == S - 1 ? fwdDone[k]
                     : local(a.stage, a.stage + 1)
                         ? bwdDone[key(a.stage + 1, a.microbatch)]
@@ -296,14 +400,17 @@ ScheduleStats validate(const Schedule& s) {
         }
         if (ready < 0) break;  // blocked: wait for another rank
         if (isCompute(a.type)) {
-          const int end = std::max(clock[r], ready) + 1;
-          stats.start_slots[r][pc[r]] = end - 1;
+          const int start = std::max(clock[r], ready);
+          const int end = start + costOf(a.type, costs);
+          stats.start_slots[r][pc[r]] = start;
           clock[r] = end;
           if (a.type == ActionType::kForward) {
             fwdDone[k] = end;
             stats.peak_in_flight[r] = std::max(stats.peak_in_flight[r], ++inFlight[r]);
+          } else if (a.type == ActionType::kInput) {
+            bwdDone[k] = inDone[k] = end;  // activations stay until W
           } else {
-            bwdDone[k] = end;
+            if (a.type == ActionType::kBackward) bwdDone[k] = end;
             --inFlight[r];
           }
         } else if (a.type == ActionType::kSendF) {
@@ -332,7 +439,7 @@ ScheduleStats validate(const Schedule& s) {
   }
   int busy = 0;
   for (int r = 0; r < R; ++r) {
-    for (const Action& a : s.ranks[r]) busy += isCompute(a.type) ? 1 : 0;
+    for (const Action& a : s.ranks[r]) busy += costOf(a.type, costs);
     stats.makespan = std::max(stats.makespan, clock[r]);
   }
   stats.bubble =

@@ -1,12 +1,14 @@
 // Pipeline schedules as data: generation, printing/parsing, validation.
 //
 // A schedule gives each rank the ordered list of actions it executes:
-// compute (F: forward, B: backward) and transfers (SEND_F/RECV_F carry a
-// stage's output activation to the next stage, SEND_B/RECV_B carry the
-// gradient back). Stage s lives on rank s % ranks ("looped" placement, as
-// Megatron and torch.distributed.pipelining do for interleaved schedules),
-// so with one stage per rank, stage s is rank s. Transfers between stages on
-// the same rank are local and get no action.
+// compute (F: forward, B: backward, or B split in two as zero-bubble
+// schedules do: I, the input gradient, which the previous stage waits for,
+// and W, the weight gradient, which nothing waits for) and transfers (SEND_F/RECV_F carry
+// a stage's output activation to the next stage, SEND_B/RECV_B carry the gradient back).
+// Stage s lives on rank s % ranks ("looped" placement, as Megatron and
+// torch.distributed.pipelining do for interleaved schedules), so with one stage per rank,
+// stage s is rank s. Transfers between stages on the same rank are local and get no
+// action.
 //
 // Execution model checked by validate(): a send never blocks (the runtime
 // posts it asynchronously); a receive blocks until its matching send has
@@ -21,7 +23,16 @@
 
 namespace dsp::pipeline {
 
-enum class ActionType { kForward, kBackward, kSendF, kRecvF, kSendB, kRecvB };
+enum class ActionType {
+  kForward,
+  kBackward,
+  kSendF,
+  kRecvF,
+  kSendB,
+  kRecvB,
+  kInput,   // I: the input gradient (sent back like B's)
+  kWeight,  // W: the weight gradient, after its I on the same rank
+};
 
 struct Action {
   ActionType type;
@@ -46,28 +57,41 @@ struct Schedule {
 
 int rankOfStage(int stage, int num_ranks);
 
-// Names: "gpipe", "1f1b", "interleaved_1f1b". num_stages must be a multiple
-// of stages_per_rank; GPipe and 1F1B take one stage per rank; interleaved
-// 1F1B needs the micro-batches to be a multiple of the ranks. Throws
-// std::invalid_argument naming the numbers otherwise.
+// Names: "gpipe", "1f1b", "interleaved_1f1b", "zb1p". num_stages must be a
+// multiple of stages_per_rank; GPipe, 1F1B and ZB-H1 ("zb1p", the
+// zero-bubble paper's 1F1B with split backward) take one stage per rank;
+// interleaved 1F1B needs the micro-batches to be a multiple of the ranks.
+// Throws std::invalid_argument naming the numbers otherwise.
 Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatches,
                       int stages_per_rank = 1);
 
+// Durations of the compute actions for the simulation, in slots. The
+// defaults give every action one slot; the zero-bubble paper's comparison
+// takes F = I = W = 1 and a whole backward B = 2.
+struct Costs {
+  int forward = 1;
+  int backward = 1;
+  int input = 1;
+  int weight = 1;
+};
+
 struct ScheduleStats {
-  // Unit-time simulation (every F and B takes one slot, transfers none):
+  // Simulation in slots (each compute action takes its cost, transfers none):
   int makespan = 0;                 // slots until the last rank finishes
   double bubble = 0;                // idle fraction over all ranks
   std::vector<int> peak_in_flight;  // per rank: max micro-batch-stages
-                                    // forwarded but not yet backwarded
-  // Per rank, per action: the slot a compute action starts in (it ends one
-  // slot later); -1 for transfers. The planned timeline, for plotting.
+                                    // forwarded whose B (or W) has not run:
+                                    // the activations the rank holds
+  // Per rank, per action: the slot a compute action starts in (it ends its
+  // cost later); -1 for transfers. The planned timeline, for plotting.
   std::vector<std::vector<int>> start_slots;
 };
 
 // Checks the schedule (throws std::invalid_argument with the reason: an
-// action on a stage the rank does not own, a duplicate or missing F/B, a
-// backward before its forward, a send without receive, a deadlock naming
-// the stuck actions) and returns its statistics.
-ScheduleStats validate(const Schedule& s);
+// action on a stage the rank does not own, a duplicate or missing F/B (or
+// I/W: each micro-batch-stage has a B, or an I and a W, not both), a
+// backward before its forward, a W before its I, a send without receive, a
+// deadlock naming the stuck actions) and returns its statistics.
+ScheduleStats validate(const Schedule& s, const Costs& costs = Costs{});
 
 }  // namespace dsp::pipeline
