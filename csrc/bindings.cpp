@@ -9,6 +9,7 @@
 #include "core/pipeline/schedule.h"
 #include "ddp/reducer.h"
 #include "pipeline/runtime.h"
+#include "pipeline/split_backward.h"
 
 namespace py = pybind11;
 
@@ -190,4 +191,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("make_schedule", &pp::makeSchedule, py::arg("name"), py::arg("num_stages"),
         py::arg("num_microbatches"), py::arg("stages_per_rank") = 1);
   m.def("rank_of_stage", &pp::rankOfStage, py::arg("stage"), py::arg("num_ranks"));
+  // The weight-gradient store of the split backward (tests and opt-in use).
+  m.def("weight_grad_begin",
+        [] { dsparallel::pipeline::WeightGradStore::get().begin(); });
+  m.def("weight_grad_end",
+        [] { return dsparallel::pipeline::WeightGradStore::get().end(); });
+  m.def(
+      "weight_grad_run",
+      [](int64_t key) { return dsparallel::pipeline::WeightGradStore::get().run(key); },
+      py::arg("key"), py::call_guard<py::gil_scoped_release>());
+  m.def("weight_grad_pending",
+        [] { return dsparallel::pipeline::WeightGradStore::get().pending(); });
 }

@@ -21,6 +21,8 @@
 #include <chrono>
 #include <utility>
 
+#include "split_backward.h"
+
 namespace dsparallel::pipeline {
 namespace {
 
@@ -90,13 +92,6 @@ Runtime::Runtime(std::vector<dsp::pipeline::Action> actions, int num_stages,
       group_(std::move(group)) {
   TORCH_CHECK_VALUE(group_->getSize() == num_ranks_, "dsp pipeline: the schedule needs ",
                     num_ranks_, " ranks, the group has ", group_->getSize());
-  for (const auto& a : actions_) {
-    // The split backward (zero-bubble schedules) is generated and validated
-    // in the core, but this runtime does not execute it yet.
-    TORCH_CHECK_VALUE(a.type != ActionType::kInput && a.type != ActionType::kWeight,
-                      "dsp pipeline: the runtime does not run split-backward actions (",
-                      dsp::pipeline::toString(a), ") yet");
-  }
 }
 
 int Runtime::tag(int stage, int mb, bool backward, bool header) const {
@@ -208,6 +203,9 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
   std::map<std::pair<int, int>, Slot> slots;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending;  // sends
   posted_.clear();  // a failed step's receives never complete
+  auto& store = WeightGradStore::get();
+  store.clear();                                    // nor do its weight gradients
+  std::map<std::pair<int, int>, int64_t> deferred;  // (stage, mb) -> capture
   trace_.clear();
   const int last = num_stages_ - 1;
   for (const auto& a : actions_) {
@@ -230,16 +228,37 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
         }
         break;
       }
-      case ActionType::kBackward: {
+      case ActionType::kBackward:
+      case ActionType::kInput: {
         MaybeTensor grad;
         if (s != last) {
           grad = local(s + 1) ? std::exchange(slots[{s + 1, mb}].grad_input, std::nullopt)
                               : std::exchange(slot.grad_output, std::nullopt);
         }
         const double t0 = now();
-        MaybeTensor grad_input = backward(s, mb, std::move(grad));
+        // I: the weight gradients of split ops wait in the store for the W.
+        const bool split = a.type == ActionType::kInput;
+        if (split) store.begin();
+        MaybeTensor grad_input;
+        try {
+          grad_input = backward(s, mb, std::move(grad));
+        } catch (...) {
+          if (split) store.end();
+          throw;
+        }
+        if (split) deferred[{s, mb}] = store.end();
         trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
         if (s != 0) slot.grad_input = std::move(grad_input);
+        break;
+      }
+      case ActionType::kWeight: {
+        const auto it = deferred.find({s, mb});
+        TORCH_CHECK(it != deferred.end(), "dsp pipeline: ", dsp::pipeline::toString(a),
+                    " before its I");
+        const double t0 = now();
+        store.run(it->second);
+        deferred.erase(it);
+        trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
         break;
       }
       case ActionType::kSendF: {
@@ -275,9 +294,6 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
         slot.grad_output = std::move(p.data);
         break;
       }
-      case ActionType::kInput:
-      case ActionType::kWeight:
-        TORCH_CHECK(false, "unreachable: refused at construction");
     }
   }
   waitAll(pending);

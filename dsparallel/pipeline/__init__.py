@@ -9,8 +9,14 @@ import change::
     schedule.step(target=y, losses=losses)             # last stage
 """
 
-from .runtime import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from .runtime import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from .schedule import Action, Schedule, get_schedule
+from .split import split_linear
 from .stage import PipelineStage
 from .timeline import bubble, gather_trace, planned_trace, plot_schedule
 
@@ -21,9 +27,11 @@ __all__ = [
     "Schedule1F1B",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
     "bubble",
     "gather_trace",
     "get_schedule",
     "planned_trace",
     "plot_schedule",
+    "split_linear",
 ]

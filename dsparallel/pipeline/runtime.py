@@ -16,6 +16,11 @@ A stage whose module is a DistributedDataParallel (ours or torch's) runs its
 forwards under ``no_sync`` and arms the reducer just before the stage's last
 backward of the step, so its replicas all-reduce the accumulated gradients
 once per step, overlapped with that backward.
+
+Zero-bubble schedules split each backward into I and W: the stage's forward
+runs with its ``F.linear`` calls routed to ``split_linear`` (split.py), the
+C++ runtime runs the backward callback for I inside a capture of the
+weight-gradient store, and runs the captured weight-gradient GEMMs at W.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .. import _C
 from ..checkpoint import capture_rng, replay_rng
 from ..ddp import DistributedDataParallel
 from .schedule import get_schedule
+from .split import SplitLinears
 from .stage import PipelineStage
 
 
@@ -76,6 +82,13 @@ class _PipelineSchedule:
             raise ValueError("the last stage needs a loss_fn")
         # Each stage's last backward in a step, where a DDP stage syncs.
         self._last_backward = {a.stage: a.microbatch for a in self.actions if a.kind == "B"}
+        self._split_backward = any(a.kind == "I" for a in self.actions)
+        if self._split_backward and any(_is_ddp(s.submod) for s in self.stages.values()):
+            raise NotImplementedError(
+                f"{self._NAME}: a stage wrapped in DistributedDataParallel is not supported with "
+                "the split backward yet (its reducer would have to fire after the stage's last "
+                "W); use 1f1b or interleaved_1f1b with DDP stages"
+            )
         self._runtime = _C.PipelineRuntime(
             self.actions, self.num_stages, self.plan.num_ranks, n_microbatches, self.group
         )
@@ -152,7 +165,8 @@ class _PipelineSchedule:
 
     def _compute(self, stage, slot):
         sync_off = stage.submod.no_sync() if _is_ddp(stage.submod) else contextlib.nullcontext()
-        with sync_off:
+        split = SplitLinears() if self._split_backward else contextlib.nullcontext()
+        with sync_off, split:
             out = stage.submod(*slot.args)
         loss = self.loss_fn(out, *slot.targets) if stage.is_last else None
         return out, loss
@@ -174,6 +188,24 @@ class Schedule1F1B(_PipelineSchedule):
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None):
         super().__init__([stage], n_microbatches, loss_fn)
+
+
+class ScheduleInterleavedZeroBubble(_PipelineSchedule):
+    """Zero-bubble (Qi et al., ICLR 2024) with the backward split into I and
+    W. With one stage per rank it is ZB-H1: 1F1B's order and activation
+    bound, W's moved into the slots where 1F1B waits (a third of 1F1B's
+    bubble when F, I and W take equal time)."""
+
+    _NAME = "zb1p"
+
+    def __init__(self, stages, n_microbatches: int, loss_fn=None):
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if len(stages) != 1:
+            raise NotImplementedError(
+                f"ScheduleInterleavedZeroBubble: {len(stages)} stages per rank; only one stage "
+                "per rank (ZB-H1) is generated so far"
+            )
+        super().__init__(stages, n_microbatches, loss_fn)
 
 
 class ScheduleInterleaved1F1B(_PipelineSchedule):

@@ -12,6 +12,8 @@ _NAMES = {
     "1f1b": "1f1b",
     "interleaved_1f1b": "interleaved_1f1b",
     "interleaved1f1b": "interleaved_1f1b",
+    "zb1p": "zb1p",
+    "interleavedzerobubble": "zb1p",  # torch's spelling
 }
 
 
@@ -20,7 +22,8 @@ def get_schedule(
 ) -> Schedule:
     """The per-rank action lists of a schedule, already validated.
 
-    ``name`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``. Stage ``s``
+    ``name`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb1p"``
+    (ZB-H1, with I and W actions: the backward split in two). Stage ``s``
     runs on rank ``s % (num_stages // stages_per_rank)``. ``schedule.ranks[r]``
     lists rank ``r``'s actions (printed like ``2F0``: stage 2, forward,
     micro-batch 0); ``schedule.validate()`` returns the unit-time statistics

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from .schedule import Schedule
 
-_COLORS = {"F": "#4c72b0", "B": "#55a868"}
+_COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#c44e52"}
 
 
 def planned_trace(schedule: Schedule) -> list[list[tuple[str, float, float]]]:
@@ -38,9 +38,10 @@ def gather_trace(schedule_runner, group=None) -> list | None:
 
 
 def plot_schedule(schedule_or_trace, path: str, title: str | None = None) -> str:
-    """Draws the timeline (one row per rank, F and B boxes labelled with the
-    stage and micro-batch) as a PNG at ``path``. Takes a Schedule (planned,
-    unit slots) or a trace as returned by ``gather_trace`` (seconds)."""
+    """Draws the timeline (one row per rank, F, B (or I) and W boxes in three
+    colours, labelled with the stage and micro-batch) as a PNG at ``path``.
+    Takes a Schedule (planned, unit slots) or a trace as returned by
+    ``gather_trace`` (seconds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,7 +53,7 @@ def plot_schedule(schedule_or_trace, path: str, title: str | None = None) -> str
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(trace) + 1.2))
     for r, rank in enumerate(trace):
         for text, s, e in rank:
-            kind = "B" if "B" in text.lstrip("0123456789")[:1] else "F"
+            kind = text.lstrip("0123456789")[:1]
             ax.broken_barh(
                 [(s - t0, e - s)], (r - 0.4, 0.8), color=_COLORS[kind], edgecolor="white"
             )

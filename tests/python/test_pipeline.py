@@ -11,6 +11,7 @@ from dist_utils import run_ranks
 from torch import nn
 
 import dsparallel.pipeline as pp
+from dsparallel import _C
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 BATCH = 8
@@ -69,6 +70,8 @@ def _pipeline_body(rank, world, name, n_stages, m, checkpoint, steps):
         sched = pp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
     elif name == "1f1b":
         sched = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    elif name == "zb1p":
+        sched = pp.ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
     else:
         assert per_rank > 1
         sched = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
@@ -98,6 +101,10 @@ CASES = [
     ("1f1b", 4, 4, 8),
     ("interleaved_1f1b", 2, 4, 2),
     ("interleaved_1f1b", 2, 4, 4),
+    ("zb1p", 2, 2, 4),
+    ("zb1p", 2, 2, 8),
+    ("zb1p", 4, 4, 4),
+    ("zb1p", 4, 4, 8),
 ]
 
 
@@ -106,13 +113,52 @@ def test_gradients_equal_unsplit_model(name, world, n_stages, m):
     run_ranks(_pipeline_body, world, name, n_stages, m, False, 1)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb1p"])
 def test_checkpointing_gives_the_same_gradients(name):
     run_ranks(_pipeline_body, 2, name, 4 if name.startswith("inter") else 2, 4, True, 1)
 
 
-def test_two_steps_accumulate():
-    run_ranks(_pipeline_body, 2, "1f1b", 2, 4, False, 2)
+@pytest.mark.parametrize("name", ["1f1b", "zb1p"])
+def test_two_steps_accumulate(name):
+    run_ranks(_pipeline_body, 2, name, 2, 4, False, 2)
+
+
+def test_split_linear_defers_the_weight_gradient():
+    """dsparallel.pipeline.split_linear: outside a capture, F.linear with its
+    gradients; inside one, only the input gradient, the weight and bias
+    gradients arriving when the capture runs (through AccumulateGrad, so
+    hooks fire), equal to autograd's, for 3-D inputs too."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)
+    x = torch.randn(2, 4, 5, requires_grad=True)
+    ref = nn.Linear(5, 3)
+    ref.load_state_dict(lin.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    fired = []  # whether .grad held a gradient each time the hook ran
+    lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad is not None))
+    _C.weight_grad_begin()
+    pp.split_linear(x, lin.weight, lin.bias).square().sum().backward()
+    key = _C.weight_grad_end()
+    assert lin.weight.grad is None and lin.bias.grad is None and not any(fired)
+    torch.testing.assert_close(x.grad, xr.grad)
+    assert _C.weight_grad_run(key) == 1
+    assert fired[-1] is True
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+    # Not capturing: an ordinary backward.
+    lin.zero_grad()
+    pp.split_linear(x.detach(), lin.weight).sum().backward()
+    assert lin.weight.grad is not None and _C.weight_grad_pending() == 0
+
+
+def test_split_linear_passes_opcheck():
+    x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
+    torch.library.opcheck(torch.ops.dsparallel.split_linear, (x, w, b))
+    torch.library.opcheck(
+        torch.ops.dsparallel.split_linear,
+        (x.requires_grad_(), w.requires_grad_(), b.requires_grad_()),
+    )
 
 
 def _step_two_stages(sched, rank, x, y):

@@ -29,7 +29,11 @@ bool processAlive(int pid) {
   // state from /proc ('Z' zombie, 'X' dead).
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
-  if (!std::getline(stat, line)) return true;
+  if (!std::getline(stat, line)) {
+    // Reaped between the kill() and the read (a parent waiting on it): gone
+    // now, unless /proc is not there to read at all.
+    return !(kill(pid, 0) != 0 && errno == ESRCH);
+  }
   const auto close = line.rfind(')');
   if (close == std::string::npos || close + 2 >= line.size()) return true;
   const char state = line[close + 2];

@@ -1,0 +1,155 @@
+#include "split_backward.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+namespace dsparallel::pipeline {
+
+WeightGradStore& WeightGradStore::get() {
+  static WeightGradStore store;
+  return store;
+}
+
+void WeightGradStore::begin() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!capturing_, "weight-gradient store: a capture is already open");
+  capturing_ = true;
+  open_.clear();
+}
+
+int64_t WeightGradStore::end() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(capturing_, "weight-gradient store: no capture is open");
+  capturing_ = false;
+  const int64_t key = next_key_++;
+  closed_[key] = std::move(open_);
+  open_.clear();
+  return key;
+}
+
+bool WeightGradStore::capturing() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return capturing_;
+}
+
+void WeightGradStore::put(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(capturing_, "weight-gradient store: no capture is open");
+  open_.push_back(std::move(fn));
+}
+
+int64_t WeightGradStore::run(int64_t key) {
+  std::vector<std::function<void()>> fns;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = closed_.find(key);
+    TORCH_CHECK(it != closed_.end(), "weight-gradient store: no capture ", key);
+    fns = std::move(it->second);
+    closed_.erase(it);
+  }
+  for (auto& fn : fns) fn();  // unlocked: they run backwards of their own
+  return static_cast<int64_t>(fns.size());
+}
+
+void WeightGradStore::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capturing_ = false;
+  open_.clear();
+  closed_.clear();
+}
+
+int64_t WeightGradStore::pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t n = open_.size();
+  for (const auto& [key, fns] : closed_) n += fns.size();
+  return static_cast<int64_t>(n);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// y = x W^T + b. Backward: dx = dy W at once; dW = dy^T x and db = sum dy
+// now, or (inside a capture) at the W action.
+class SplitLinear : public torch::autograd::Function<SplitLinear> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const std::optional<at::Tensor>& b) {
+    const bool bias = b.has_value() && b->defined();
+    ctx->saved_data["bias"] = bias;
+    ctx->save_for_backward(bias ? variable_list{x, w, *b} : variable_list{x, w});
+    at::AutoDispatchBelowADInplaceOrView below;
+    return at::linear(x, w, b);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const at::Tensor b = ctx->saved_data["bias"].toBool() ? saved[2] : at::Tensor();
+    const at::Tensor& dy = grads[0];
+    at::Tensor dx;
+    if (ctx->needs_input_grad(0)) dx = at::matmul(dy, w);
+    const bool needW = ctx->needs_input_grad(1);
+    const bool needB = b.defined() && ctx->needs_input_grad(2);
+    if (!needW && !needB) return {dx, at::Tensor(), at::Tensor()};
+    // The weight gradients, from dy and x flattened to 2-D.
+    auto weightGrads = [x, dy, needW, needB]() {
+      const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
+      at::Tensor dw, db;
+      if (needW) dw = dy2.t().mm(x.reshape({-1, x.size(-1)}));
+      if (needB) db = dy2.sum(0);
+      return std::make_pair(dw, db);
+    };
+    auto& store = WeightGradStore::get();
+    if (!store.capturing()) {
+      auto [dw, db] = weightGrads();
+      return {dx, dw, db};
+    }
+    store.put([weightGrads, w, b, needW, needB] {
+      auto [dw, db] = weightGrads();
+      variable_list roots, rootGrads;
+      if (needW) {
+        roots.push_back(w);
+        rootGrads.push_back(dw);
+      }
+      if (needB) {
+        roots.push_back(b);
+        rootGrads.push_back(db);
+      }
+      // From the weights themselves: AccumulateGrad adds into .grad and
+      // runs its hooks (a non-leaf weight passes the gradient on).
+      torch::autograd::backward(roots, rootGrads);
+    });
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor splitLinearKernel(const at::Tensor& x, const at::Tensor& w,
+                             const std::optional<at::Tensor>& b) {
+  return at::linear(x, w, b);
+}
+
+at::Tensor splitLinearAutograd(const at::Tensor& x, const at::Tensor& w,
+                               const std::optional<at::Tensor>& b) {
+  return SplitLinear::apply(x, w, b);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsparallel, m) {
+  m.def("split_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dsparallel, CompositeExplicitAutograd, m) {
+  m.impl("split_linear", &splitLinearKernel);
+}
+
+TORCH_LIBRARY_IMPL(dsparallel, Autograd, m) {
+  m.impl("split_linear", &splitLinearAutograd);
+}
+
+}  // namespace dsparallel::pipeline
