@@ -3,14 +3,17 @@ against torch.distributed.pipelining on the same model and backend, in one run.
 
     python benchmarks/pipeline.py [--micro-batches 8] [--steps 20] [--timeline t.png]
 
-Two ranks, one stage each (an MLP of 4 blocks split in two). For GPipe and
-1F1B under both libraries it reports the median step time (slowest rank;
-the four configurations timed in interleaved rounds),
+Two ranks, one stage each (an MLP of 4 blocks split in two). For GPipe,
+1F1B and zero-bubble ZB-H1 (torch's ScheduleInterleavedZeroBubble with one
+stage per rank, ours "zb1p") under both libraries it reports the median step
+time (slowest rank; the six configurations timed in interleaved rounds),
 the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
 span); the median over the timed steps, with its range) next to the planned
-one, and the first stage's peak activation memory: bytes of distinct
-storages held by autograd for backward (tensors saved through
-saved_tensors_hooks), measured the same way for both.
+one (the C++ simulator run with the mean measured F, B, I and W times of
+that schedule), and the first stage's peak activation memory: bytes of
+distinct storages held by autograd for backward (tensors saved through
+saved_tensors_hooks), measured the same way for both. The last line sets
+ZB-H1's measured step time against our 1F1B's next to the planned ratio.
 """
 
 from __future__ import annotations
@@ -26,6 +29,21 @@ from memory import SavedBytes  # noqa: E402
 from timing import interleaved_rounds  # noqa: E402
 
 ROUNDS = 4
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb1p": "ScheduleInterleavedZeroBubble",
+}
+
+
+def _mean_costs(entries) -> tuple[int, int, int, int]:
+    """Mean measured (F, B, I, W) durations in microseconds (1 where absent)."""
+    per_kind = {}
+    for name, start, end in entries:
+        per_kind.setdefault(name.lstrip("0123456789")[:1], []).append(end - start)
+    return tuple(
+        max(1, round(1e6 * statistics.mean(per_kind[k]))) if k in per_kind else 1 for k in "FBIW"
+    )
 
 
 def _stage_module(index, width, blocks):
@@ -53,15 +71,15 @@ def _worker(rank, world, args):
     y = torch.randn(args.batch_size, width)
     configs = {}
     for lib in ("torch", "dsparallel"):
-        for name in ("gpipe", "1f1b"):
+        for name in SCHEDULES:
             module = _stage_module(rank, width, args.blocks_per_stage)
             if lib == "torch":
                 stage = tpp.PipelineStage(module, rank, world, torch.device("cpu"))
-                cls = tpp.ScheduleGPipe if name == "gpipe" else tpp.Schedule1F1B
+                cls = getattr(tpp, SCHEDULES[name])
             else:
                 stage = pp.PipelineStage(module, rank, world)
-                cls = pp.ScheduleGPipe if name == "gpipe" else pp.Schedule1F1B
-            sched = cls(stage, m, loss_fn=loss_fn)
+                cls = getattr(pp, SCHEDULES[name])
+            sched = cls([stage] if name == "zb1p" and lib == "torch" else stage, m, loss_fn=loss_fn)
             traces_of = []  # ours: this rank's measured trace of every step
 
             def step(sched=sched, module=module, traces_of=traces_of, lib=lib):
@@ -102,11 +120,16 @@ def _worker(rank, world, args):
             median_bubble, median_step = bubbles[len(bubbles) // 2]
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
-            row["bubble_planned"] = pp.get_schedule(name, world, m).validate().bubble
+            costs = _mean_costs([e for t in steps for rank_trace in t for e in rank_trace])
+            plan = pp.get_schedule(name, world, m).validate(costs=costs)
+            row["bubble_planned"] = plan.bubble
+            row["planned_makespan"] = plan.makespan
             traces[name] = steps[median_step]  # the step of median bubble
         rows.append(row)
     if rank == 0 and args.timeline:
         pp.plot_schedule(traces["1f1b"], args.timeline)
+        root, ext = os.path.splitext(args.timeline)
+        pp.plot_schedule(traces["zb1p"], f"{root}_zb1p{ext}")
     dist.destroy_process_group()
     return rows
 
@@ -142,8 +165,15 @@ def main():
             f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} {spread:>13} "
             f"{r['peak_saved_bytes'] / 2**20:>14.2f}"
         )
+    ours = {r["schedule"]: r for r in rows if r["lib"] == "dsparallel"}
+    print(
+        f"our zb1p / our 1f1b step time: {ours['zb1p']['step_s'] / ours['1f1b']['step_s']:.3f} "
+        "measured, "
+        f"{ours['zb1p']['planned_makespan'] / ours['1f1b']['planned_makespan']:.3f} planned "
+        "(from each schedule's measured F, B, I, W)"
+    )
     if args.timeline:
-        print(f"timeline of our 1F1B step (the step of median bubble): {args.timeline}")
+        print(f"timelines of our 1F1B and zb1p steps (the step of median bubble): {args.timeline}")
 
 
 if __name__ == "__main__":

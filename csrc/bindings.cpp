@@ -178,7 +178,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_ranks", &pp::Schedule::num_ranks)
       .def_readonly("num_microbatches", &pp::Schedule::num_microbatches)
       .def_readonly("ranks", &pp::Schedule::ranks)
-      .def("validate", [](const pp::Schedule& s) { return pp::validate(s); });
+      // costs: (F, B, I, W) durations in any integer unit (default: one slot each).
+      .def(
+          "validate",
+          [](const pp::Schedule& s, std::optional<std::tuple<int, int, int, int>> costs) {
+            pp::Costs c;
+            if (costs) std::tie(c.forward, c.backward, c.input, c.weight) = *costs;
+            return pp::validate(s, c);
+          },
+          py::arg("costs") = std::nullopt);
   py::class_<dsparallel::pipeline::Runtime>(m, "PipelineRuntime")
       .def(py::init<std::vector<pp::Action>, int, int, int,
                     c10::intrusive_ptr<c10d::ProcessGroup>>(),
@@ -186,7 +194,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("num_microbatches"), py::arg("group"))
       // Waits on peers: without the GIL (the callbacks take it to compute).
       .def("step", &dsparallel::pipeline::Runtime::step, py::arg("forward"),
-           py::arg("backward"), py::call_guard<py::gil_scoped_release>())
+           py::arg("backward"), py::arg("weight") = nullptr,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("trace", &dsparallel::pipeline::Runtime::trace);
   m.def("make_schedule", &pp::makeSchedule, py::arg("name"), py::arg("num_stages"),
         py::arg("num_microbatches"), py::arg("stages_per_rank") = 1);

@@ -204,12 +204,6 @@ def make_job(
             module, process_group=state.dp_group, zero_stage=2 if zero_stage == 2 else 0
         )
     stage = PipelineStage(module, state.pp_rank, state.pp_size, group=state.pp_group)
-    if schedule == "zb1p" and state.dp_size > 1:
-        raise SystemExit(
-            "--schedule zb1p: stages wrapped in DDP (data-parallel size "
-            f"{state.dp_size}) are not supported with the split backward yet; use "
-            "--schedule 1f1b, or fill the ranks with tensor and pipeline parallelism"
-        )
     schedule = SCHEDULES[schedule](stage, micro_batches, loss_fn=gpt_loss(state.tp_group))
     if zero_stage in (1, 2):
         # AdamW's state (and with stage 2 the gradients) sharded evenly over

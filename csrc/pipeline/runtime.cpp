@@ -195,7 +195,8 @@ at::Tensor Runtime::receiveActivation(int stage, int mb) {
   return payloadOf(message, shape, dtype);
 }
 
-void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
+void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
+                   const WeightFn& weight) {
   // What travels for one (stage, micro-batch), each dropped once consumed.
   struct Slot {
     MaybeTensor input, output, grad_output, grad_input;
@@ -256,7 +257,7 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward) {
         TORCH_CHECK(it != deferred.end(), "dsp pipeline: ", dsp::pipeline::toString(a),
                     " before its I");
         const double t0 = now();
-        store.run(it->second);
+        store.run(it->second, weight ? weight(s, mb) : std::vector<at::Tensor>{});
         deferred.erase(it);
         trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
         break;

@@ -38,6 +38,10 @@ using ForwardFn =
     std::function<MaybeTensor(int stage, int microbatch, MaybeTensor input)>;
 using BackwardFn =
     std::function<MaybeTensor(int stage, int microbatch, MaybeTensor grad_output)>;
+// Called before a W action runs the weight gradients its I deferred; returns
+// tensors that join that W's engine run with zero gradients (a DDP stage's
+// parameters, at its last W, so that the armed reducer sees all of them).
+using WeightFn = std::function<std::vector<at::Tensor>(int stage, int microbatch)>;
 
 // One compute action as it ran: its name ("1F3"), start and end in seconds
 // on the monotonic clock (the clock of Python's time.perf_counter on Linux).
@@ -54,7 +58,8 @@ class Runtime {
   // Runs every action once. Rethrows a callback's exception and raises on a
   // stage output whose shape or dtype changes between micro-batches (on both
   // ends of its transfer). Blocking waits honour the group's timeout.
-  void step(const ForwardFn& forward, const BackwardFn& backward);
+  void step(const ForwardFn& forward, const BackwardFn& backward,
+            const WeightFn& weight = nullptr);
 
   // The compute actions of the last step, in order.
   const std::vector<TraceEntry>& trace() const { return trace_; }

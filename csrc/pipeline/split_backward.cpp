@@ -35,14 +35,14 @@ bool WeightGradStore::capturing() const {
   return capturing_;
 }
 
-void WeightGradStore::put(std::function<void()> fn) {
+void WeightGradStore::put(Closure fn) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(capturing_, "weight-gradient store: no capture is open");
   open_.push_back(std::move(fn));
 }
 
-int64_t WeightGradStore::run(int64_t key) {
-  std::vector<std::function<void()>> fns;
+int64_t WeightGradStore::run(int64_t key, const std::vector<at::Tensor>& complete) {
+  std::vector<Closure> fns;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = closed_.find(key);
@@ -50,7 +50,27 @@ int64_t WeightGradStore::run(int64_t key) {
     fns = std::move(it->second);
     closed_.erase(it);
   }
-  for (auto& fn : fns) fn();  // unlocked: they run backwards of their own
+  // Unlocked from here: the engine run may take a while, and hooks run in it.
+  std::vector<at::Tensor> tensors, grads;
+  for (auto& fn : fns) fn(tensors, grads);
+  // One root per tensor: a weight used twice gets the sum of its gradients.
+  std::vector<at::Tensor> roots, rootGrads;
+  std::map<const c10::TensorImpl*, size_t> index;
+  auto add = [&](const at::Tensor& t, const at::Tensor& g) {
+    const auto [it, fresh] = index.emplace(t.unsafeGetTensorImpl(), roots.size());
+    if (fresh) {
+      roots.push_back(t);
+      rootGrads.push_back(g);
+    } else if (g.defined()) {
+      rootGrads[it->second] = rootGrads[it->second].add(g);
+    }
+  };
+  for (size_t i = 0; i < tensors.size(); ++i) add(tensors[i], grads[i]);
+  for (const auto& t : complete) {
+    if (t.requires_grad() && !index.count(t.unsafeGetTensorImpl()))
+      add(t, at::zeros_like(t));
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, rootGrads);
   return static_cast<int64_t>(fns.size());
 }
 
@@ -109,21 +129,18 @@ class SplitLinear : public torch::autograd::Function<SplitLinear> {
       auto [dw, db] = weightGrads();
       return {dx, dw, db};
     }
-    store.put([weightGrads, w, b, needW, needB] {
-      auto [dw, db] = weightGrads();
-      variable_list roots, rootGrads;
-      if (needW) {
-        roots.push_back(w);
-        rootGrads.push_back(dw);
-      }
-      if (needB) {
-        roots.push_back(b);
-        rootGrads.push_back(db);
-      }
-      // From the weights themselves: AccumulateGrad adds into .grad and
-      // runs its hooks (a non-leaf weight passes the gradient on).
-      torch::autograd::backward(roots, rootGrads);
-    });
+    store.put(
+        [weightGrads, w, b, needW, needB](variable_list& roots, variable_list& out) {
+          auto [dw, db] = weightGrads();
+          if (needW) {
+            roots.push_back(w);
+            out.push_back(dw);
+          }
+          if (needB) {
+            roots.push_back(b);
+            out.push_back(db);
+          }
+        });
     return {dx, at::Tensor(), at::Tensor()};
   }
 };

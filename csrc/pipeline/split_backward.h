@@ -7,11 +7,15 @@
 // dsparallel::split_linear whose backward runs inside it computes only its
 // input gradient and queues the weight-gradient GEMMs. The runtime closes
 // the capture after the I and runs that capture's closures at the matching
-// W action. A closure adds its gradients through the autograd engine (as a
-// backward from the weight itself), so .grad accumulates as it always does
-// and AccumulateGrad hooks fire. Outside a capture, split_linear is
-// at::linear with an ordinary backward.
+// W action. A W computes every queued weight gradient and adds them in one
+// run of the autograd engine started from the weights themselves: .grad
+// accumulates as it always does, AccumulateGrad hooks fire, a weight used
+// twice gets the sum once, and a DDP reducer armed before the W sees one
+// backward. Outside a capture, split_linear is at::linear with an ordinary
+// backward.
 #pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>
@@ -29,10 +33,16 @@ class WeightGradStore {
   void begin();
   int64_t end();
   bool capturing() const;
-  void put(std::function<void()> fn);
-  // Runs and drops the closures of a capture, in the order they were queued;
-  // returns how many ran.
-  int64_t run(int64_t key);
+  // A closure computes weight gradients: it appends (tensor, gradient) pairs.
+  using Closure = std::function<void(std::vector<at::Tensor>& tensors,
+                                     std::vector<at::Tensor>& grads)>;
+  void put(Closure fn);
+  // Runs and drops the closures of a capture, in the order they were queued,
+  // and adds their gradients in one engine run; `complete` are further
+  // tensors (a DDP stage's other parameters) that join the run with a zero
+  // gradient so that their hooks fire in it too. Returns how many closures
+  // ran.
+  int64_t run(int64_t key, const std::vector<at::Tensor>& complete = {});
   // Drops every capture (a step that failed half-way).
   void clear();
   // Closures queued and not run yet, over all captures.
@@ -41,8 +51,8 @@ class WeightGradStore {
  private:
   mutable std::mutex mutex_;
   bool capturing_ = false;
-  std::vector<std::function<void()>> open_;
-  std::map<int64_t, std::vector<std::function<void()>>> closed_;
+  std::vector<Closure> open_;
+  std::map<int64_t, std::vector<Closure>> closed_;
   int64_t next_key_ = 0;
 };
 

@@ -15,7 +15,10 @@ so the gradients equal those of the whole batch run unsplit; calling
 A stage whose module is a DistributedDataParallel (ours or torch's) runs its
 forwards under ``no_sync`` and arms the reducer just before the stage's last
 backward of the step, so its replicas all-reduce the accumulated gradients
-once per step, overlapped with that backward.
+once per step, overlapped with that backward. Under a zero-bubble schedule
+that is the stage's last W: its deferred weight gradients and a zero for
+every other parameter go through one engine run, in which every
+parameter's hook fires once.
 
 Zero-bubble schedules split each backward into I and W: the stage's forward
 runs with its ``F.linear`` calls routed to ``split_linear`` (split.py), the
@@ -82,13 +85,9 @@ class _PipelineSchedule:
             raise ValueError("the last stage needs a loss_fn")
         # Each stage's last backward in a step, where a DDP stage syncs.
         self._last_backward = {a.stage: a.microbatch for a in self.actions if a.kind == "B"}
-        self._split_backward = any(a.kind == "I" for a in self.actions)
-        if self._split_backward and any(_is_ddp(s.submod) for s in self.stages.values()):
-            raise NotImplementedError(
-                f"{self._NAME}: a stage wrapped in DistributedDataParallel is not supported with "
-                "the split backward yet (its reducer would have to fire after the stage's last "
-                "W); use 1f1b or interleaved_1f1b with DDP stages"
-            )
+        # With the split backward, a DDP stage syncs at its last W instead.
+        self._last_weight = {a.stage: a.microbatch for a in self.actions if a.kind == "W"}
+        self._split_backward = bool(self._last_weight)
         self._runtime = _C.PipelineRuntime(
             self.actions, self.num_stages, self.plan.num_ranks, n_microbatches, self.group
         )
@@ -131,7 +130,7 @@ class _PipelineSchedule:
             if stage.checkpoint:
                 with replay_rng(slot.rng):
                     slot.output, slot.loss = self._compute(stage, slot)
-            if _is_ddp(stage.submod) and mb == self._last_backward[s]:
+            if _is_ddp(stage.submod) and mb == self._last_backward.get(s):
                 stage.submod.reducer.prepare_for_backward([slot.output])
             if stage.is_last:
                 torch.autograd.backward(slot.loss / m)
@@ -139,7 +138,14 @@ class _PipelineSchedule:
                 torch.autograd.backward(slot.output, grad_output)
             return None if stage.is_first else slot.args[0].grad
 
-        self._runtime.step(forward, backward)
+        def weight(s, mb):
+            submod = self.stages[s].submod
+            if _is_ddp(submod) and mb == self._last_weight[s]:
+                submod.reducer.prepare_for_backward([])
+                return [p for p in submod.parameters() if p.requires_grad]
+            return []
+
+        self._runtime.step(forward, backward, weight if self._split_backward else None)
         if losses is not None and targets is not None:
             losses.extend(stage_losses)
 
