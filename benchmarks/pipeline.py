@@ -120,6 +120,7 @@ def _worker(rank, world, args):
             median_bubble, median_step = bubbles[len(bubbles) // 2]
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
+            row["breakdown"] = pp.bubble_breakdown(steps[median_step])
             costs = _mean_costs([e for t in steps for rank_trace in t for e in rank_trace])
             plan = pp.get_schedule(name, world, m).validate(costs=costs)
             row["bubble_planned"] = plan.bubble
@@ -166,6 +167,12 @@ def main():
             f"{r['peak_saved_bytes'] / 2**20:>14.2f}"
         )
     ours = {r["schedule"]: r for r in rows if r["lib"] == "dsparallel"}
+    for name, r in ours.items():
+        parts = ", ".join(f"{k} {v:.1%}" for k, v in r["breakdown"].items())
+        print(
+            f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
+            f"(planned {r['bubble_planned']:.1%})"
+        )
     print(
         f"our zb1p / our 1f1b step time: {ours['zb1p']['step_s'] / ours['1f1b']['step_s']:.3f} "
         "measured, "

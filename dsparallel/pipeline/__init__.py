@@ -18,7 +18,7 @@ from .runtime import (
 from .schedule import Action, Schedule, get_schedule
 from .split import split_linear
 from .stage import PipelineStage
-from .timeline import bubble, gather_trace, planned_trace, plot_schedule
+from .timeline import bubble, bubble_breakdown, gather_trace, planned_trace, plot_schedule
 
 __all__ = [
     "Action",
@@ -29,6 +29,7 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
     "bubble",
+    "bubble_breakdown",
     "gather_trace",
     "get_schedule",
     "planned_trace",

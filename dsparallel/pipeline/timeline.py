@@ -29,6 +29,57 @@ def bubble(trace: list[list[tuple[str, float, float]]]) -> float:
     return 1.0 - busy / (len(trace) * (t1 - t0))
 
 
+def _parse(text: str) -> tuple[int, str, int]:
+    """ "1I3" -> (1, "I", 3)."""
+    i = len(text) - len(text.lstrip("0123456789"))
+    j = len(text.rstrip("0123456789"))
+    return int(text[:i]), text[i:j], int(text[j:])
+
+
+def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, float]:
+    """Where a measured step's idle time went (one list per rank of the
+    pipeline's group, stage s on rank s % ranks), as fractions of ranks x
+    span, which add up to ``bubble(trace)``:
+
+    - ``wait``: the rank was free but the action's input did not exist yet
+      (a peer's F, or B/I, had not finished): the schedule's own bubble,
+      plus delays that peers passed on;
+    - ``overhead``: the input existed and the rank was free, yet the action
+      had not started: transfers, the runtime's bookkeeping, the Python
+      callback around the compute;
+    - ``tail``: after the rank's last action, until the last rank finished.
+    """
+    ranks = len(trace)
+    ends = {}
+    for rank in trace:
+        for text, _, e in rank:
+            ends[_parse(text)] = e
+    spans = [(s, e) for rank in trace for _, s, e in rank]
+    if not spans:
+        return {"wait": 0.0, "overhead": 0.0, "tail": 0.0}
+    t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
+    last_stage = max(stage for stage, _, _ in ends)
+    wait = overhead = tail = 0.0
+    for rank in trace:
+        prev = t0
+        for text, start, end in rank:
+            stage, kind, mb = _parse(text)
+            if kind == "F":
+                deps = [ends.get((stage - 1, "F", mb))] if stage > 0 else []
+            elif kind == "W":
+                deps = [ends.get((stage, "I", mb))]
+            else:  # B or I: the next stage's input gradient
+                nxt = [ends.get((stage + 1, k, mb)) for k in ("B", "I")]
+                deps = [e for e in nxt if e is not None] if stage < last_stage else []
+            ready = min(start, max([prev] + [d for d in deps if d is not None]))
+            wait += ready - prev
+            overhead += start - ready
+            prev = max(prev, end)
+        tail += t1 - prev
+    total = ranks * (t1 - t0)
+    return {"wait": wait / total, "overhead": overhead / total, "tail": tail / total}
+
+
 def gather_trace(schedule_runner, group=None) -> list | None:
     """All ranks' measured traces of the last ``step`` (on every rank)."""
     group = group if group is not None else schedule_runner.group

@@ -152,6 +152,21 @@ def test_split_linear_defers_the_weight_gradient():
     assert lin.weight.grad is not None and _C.weight_grad_pending() == 0
 
 
+def test_bubble_breakdown_adds_up():
+    """Two stages: rank 1 waits for F0 (wait), starts F1 half a unit after its
+    input and the rank were ready (overhead), ends a unit before rank 0
+    (tail); rank 0 waits twice for the gradient."""
+    trace = [
+        [("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0), ("0B0", 3.0, 4.0), ("0B1", 5.0, 6.0)],
+        [("1F0", 1.0, 2.0), ("1B0", 2.0, 3.0), ("1F1", 3.5, 4.5), ("1B1", 4.5, 5.0)],
+    ]
+    parts = pp.bubble_breakdown(trace)
+    total = 2 * 6.0
+    want = {"wait": 3.0 / total, "overhead": 0.5 / total, "tail": 1.0 / total}
+    assert parts == pytest.approx(want)
+    assert sum(parts.values()) == pytest.approx(pp.bubble(trace))
+
+
 def test_split_linear_passes_opcheck():
     x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
     torch.library.opcheck(torch.ops.dsparallel.split_linear, (x, w, b))
