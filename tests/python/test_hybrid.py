@@ -56,6 +56,13 @@ def reference():
     return run_ranks(_one_process_losses, 1, STEPS)[0]
 
 
+def _assert_same_losses(got, want, rtol):
+    """Two runs' [step, loss] histories agree loss by loss."""
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=rtol, atol=0
+    )
+
+
 def _run_job(tmp_path, name, *args):
     out_file = tmp_path / f"{name}.json"
     _torchrun("train_gpt.py", *SMALL, "--plot", "", "--losses", str(out_file), *args, nproc=4)
@@ -94,21 +101,11 @@ def test_gpt_zero_matches_one_process_and_resumes(tmp_path, reference, stage):
     )
     if stage == "2":
         stage0 = _run_job(tmp_path, "zero0", "--steps", str(STEPS), *plain)
-        torch.testing.assert_close(
-            torch.tensor([v for _, v in history]),
-            torch.tensor([v for _, v in stage0]),
-            rtol=1e-5,
-            atol=0,
-        )
+        _assert_same_losses(history, stage0, rtol=1e-5)
     ckpt = tmp_path / "zckpt"
     _run_job(tmp_path, "zfirst", "--steps", "5", "--save", str(ckpt), *layout)
     resumed = _run_job(tmp_path, "zresumed", "--steps", str(STEPS), "--resume", str(ckpt), *layout)
-    torch.testing.assert_close(
-        torch.tensor([v for _, v in resumed]),
-        torch.tensor([v for _, v in history]),
-        rtol=1e-6,
-        atol=0,
-    )
+    _assert_same_losses(resumed, history, rtol=1e-6)
     # At another data-parallel size (2 ranks: tp 2 x dp 1) the optimizer
     # state is resharded from both saved replicas' shards.
     out_file = tmp_path / "zdp1.json"
@@ -121,12 +118,7 @@ def test_gpt_zero_matches_one_process_and_resumes(tmp_path, reference, stage):
     )
     dp1 = json.loads(out_file.read_text())
     assert [s for s, _ in dp1] == list(range(1, STEPS + 1))
-    torch.testing.assert_close(
-        torch.tensor([v for _, v in dp1]),
-        torch.tensor([v for _, v in history]),
-        rtol=1e-5,
-        atol=0,
-    )
+    _assert_same_losses(dp1, history, rtol=1e-5)
 
 
 def test_gpt_checkpointing_matches(tmp_path, reference):
@@ -142,12 +134,7 @@ def test_gpt_resume_equals_uninterrupted_run(tmp_path):
     _run_job(tmp_path, "first", "--steps", "3", "--save", str(ckpt))
     resumed = _run_job(tmp_path, "resumed", "--steps", "6", "--resume", str(ckpt))
     assert [s for s, _ in resumed] == [1, 2, 3, 4, 5, 6]
-    torch.testing.assert_close(
-        torch.tensor([v for _, v in resumed]),
-        torch.tensor([v for _, v in whole]),
-        rtol=1e-6,
-        atol=0,
-    )
+    _assert_same_losses(resumed, whole, rtol=1e-6)
     refused = _torchrun(
         "train_gpt.py",
         *SMALL,
