@@ -10,6 +10,14 @@ overlapping the rest of backward (see csrc/ddp/reducer.h).
 reduce-scatter each bucket into this rank's gradient shard instead (ZeRO
 stage 2): ``.grad`` is not kept, and ``dsparallel.ZeroRedundancyOptimizer``
 steps the shards (see dsparallel/zero.py).
+
+Expert parameters of a mixture-of-experts layer (``dsparallel.moe.MoE``
+over an expert-parallel group of ``init_parallel(expert_parallel_size=E)``)
+differ between the ranks of one expert-parallel group, so a second reducer
+averages them over the expert data-parallel group (the ranks holding the
+same experts) instead, scaled by 1/E: each one already sums the gradients of
+the E ranks whose tokens it served, so both kinds end up as the mean over
+all data-parallel ranks, as in one process on the global batch.
 """
 
 from __future__ import annotations
@@ -128,20 +136,32 @@ class DistributedDataParallel(nn.Module):
                 "doesn't have any parameter that requires a gradient."
             )
         self._verify_same_model(named)
-        self._sync_module_states()
+        experts = [(n, p) for n, p in named if getattr(p, "_dsp_expert_group", None) is not None]
+        named = [(n, p) for n, p in named if getattr(p, "_dsp_expert_group", None) is None]
+        self.expert_process_group = self._expert_dp_group(experts, zero_stage)
+        self._sync_module_states([p for _, p in experts])
 
         cap_mb = _DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         cap = max(1, int(cap_mb * _MB))
-        self.reducer = _C.Reducer(
-            [p for _, p in named],
-            [n for n, _ in named],
-            self.process_group,
-            [min(_DEFAULT_FIRST_BUCKET_BYTES, cap), cap],
-            find_unused_parameters,
-            gradient_as_bucket_view,
-            static_graph,
-            zero_stage=2 if zero_stage == 2 else 0,
-        )
+
+        def reducer(params, group, stage):
+            return _C.Reducer(
+                [p for _, p in params],
+                [n for n, _ in params],
+                group,
+                [min(_DEFAULT_FIRST_BUCKET_BYTES, cap), cap],
+                find_unused_parameters,
+                gradient_as_bucket_view,
+                static_graph,
+                zero_stage=stage,
+            )
+
+        self.reducer = reducer(named, self.process_group, 2 if zero_stage == 2 else 0)
+        self._expert_reducer = None
+        if experts:
+            self._expert_reducer = reducer(experts, self.expert_process_group, 0)
+            ep = dist.get_world_size(experts[0][1]._dsp_expert_group)
+            self._expert_scale_hooks = [p.register_hook(lambda g: g / ep) for _, p in experts]
         self._zero_buffers = self._shard_buckets([p for _, p in named]) if zero_stage == 2 else []
         if overlap_param_gather:
             self._wait_before_use(named)
@@ -188,12 +208,48 @@ class DistributedDataParallel(nn.Module):
                         "must wrap the same model"
                     )
 
-    def _sync_module_states(self):
-        """Parameters and buffers start as rank 0's."""
-        tensors = [p.detach() for p in self.module.parameters()]
+    def _expert_dp_group(self, experts, zero_stage: int):
+        """The group expert parameters are reduced over: init_parallel's
+        expert data-parallel group, when they are split over its
+        expert-parallel group."""
+        if not experts:
+            return None
+        from .parallel_state import _state
+
+        name, p = experts[0]
+        if (
+            _state is None
+            or _state.ep_group is None
+            or (_state.ep_group.group_name != p._dsp_expert_group.group_name)
+        ):
+            raise ValueError(
+                f"DistributedDataParallel: parameter {name!r} belongs to experts split over an "
+                "expert-parallel group that is not init_parallel's: build the layout with "
+                "dsparallel.init_parallel(expert_parallel_size=E) and the MoE layers with its "
+                "ep_group, so that expert gradients can be reduced over the ranks holding the "
+                "same experts"
+            )
+        if zero_stage == 2:
+            raise NotImplementedError(
+                "DistributedDataParallel: zero_stage=2 with expert-parallel MoE layers is not "
+                "supported yet; use zero_stage=1 (ZeroRedundancyOptimizer over the dense "
+                "parameters and another over the expert ones with "
+                "process_group=state.expert_dp_group)"
+            )
+        return _state.expert_dp_group
+
+    def _sync_module_states(self, experts: list[torch.Tensor]):
+        """Parameters and buffers start as rank 0's; expert parameters as
+        those of the first rank holding the same experts."""
+        expert_ids = {id(p) for p in experts}
+        tensors = [p.detach() for p in self.module.parameters() if id(p) not in expert_ids]
         tensors += [b.detach() for b in self.module.buffers()]
         if tensors and dist.get_world_size(self.process_group) > 1:
             dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+        if experts and dist.get_world_size(self.expert_process_group) > 1:
+            src = dist.get_global_rank(self.expert_process_group, 0)
+            for p in experts:
+                dist.broadcast(p.detach(), src, group=self.expert_process_group)
 
     def _shard_buckets(self, params: list[torch.Tensor]) -> list[ShardedBuffer]:
         """ZeRO stage 2: the parameters of each bucket become views into one
@@ -257,6 +313,8 @@ class DistributedDataParallel(nn.Module):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             outputs = _tensors_in(output) if self.find_unused_parameters else []
             self.reducer.prepare_for_backward(outputs)
+            if self._expert_reducer is not None:
+                self._expert_reducer.prepare_for_backward(outputs)
         return output
 
     @contextmanager
@@ -290,9 +348,16 @@ class DistributedDataParallel(nn.Module):
             self.reducer.set_reduce_dtype(dtype)
             return
         self.reducer.register_comm_hook(state, hook)
+        if self._expert_reducer is not None:
+            # The same hook for the expert buckets, over their own group
+            # where the state is the group (torch's and our hooks).
+            if state is None or state is self.process_group:
+                state = self.expert_process_group
+            self._expert_reducer.register_comm_hook(state, hook)
 
     def bucket_indices(self) -> list[list[int]]:
-        """Parameter indices per bucket, in launch order."""
+        """Parameter indices per bucket, in launch order (of the parameters
+        that are not experts')."""
         return self.reducer.bucket_indices()
 
 

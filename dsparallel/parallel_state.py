@@ -5,10 +5,18 @@ one tensor-parallel group are adjacent (``torchrun`` gives a host adjacent
 ranks, and tensor parallelism, which communicates in every layer, stays on a
 host); data-parallel replicas of one stage come next and pipeline stages are
 furthest apart.
+
+With ``expert_parallel_size=E`` the data-parallel dimension is also read as
+(edp, ep): E consecutive data-parallel ranks form an expert-parallel group
+(they split the routed experts of a mixture-of-experts layer between them),
+and the ranks at the same place in each such group form the expert
+data-parallel group, over which expert gradients are reduced (as Megatron
+and DeepSpeed lay them out).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,16 +41,25 @@ class ParallelState:
     tp_size: int
     pp_size: int
     dp_size: int
+    ep_group: dist.ProcessGroup | None = None  # None when expert_parallel_size is 1
+    expert_dp_group: dist.ProcessGroup | None = None  # dp_group when it is 1
+    ep_rank: int = 0
+    ep_size: int = 1
 
     def __repr__(self) -> str:
         return (
             f"ParallelState(rank {dist.get_rank()}: tp {self.tp_rank}/{self.tp_size}, "
-            f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})"
+            f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, "
+            f"ep {self.ep_rank}/{self.ep_size})"
         )
 
 
 def init_parallel(
-    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str | None = None
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    backend: str | None = None,
+    *,
+    expert_parallel_size: int = 1,
 ) -> ParallelState:
     """Builds the layout (initialising torch.distributed with ``backend``, by
     default "dsp" for CPU and "cpu:dsp,cuda:nccl" with CUDA, if not done yet)
@@ -54,6 +71,7 @@ def init_parallel(
     for name, value in (
         ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
+        ("expert_parallel_size", expert_parallel_size),
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_parallel: {name} must be a positive integer, got {value!r}")
@@ -70,6 +88,13 @@ def init_parallel(
             f"({tp}) x pipeline_parallel_size ({pp}) = {tp * pp}"
         )
     dp = world // (tp * pp)
+    ep = expert_parallel_size
+    if dp % ep:
+        raise ValueError(
+            f"init_parallel: expert_parallel_size ({ep}) must divide the data-parallel size "
+            f"({dp} = world {world} / (tp {tp} x pp {pp})): expert-parallel groups are carved "
+            "out of the data-parallel ranks"
+        )
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() != "dsp" else "cpu"
     mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     _state = ParallelState(
@@ -83,7 +108,19 @@ def init_parallel(
         tp_size=tp,
         pp_size=pp,
         dp_size=dp,
+        expert_dp_group=mesh.get_group("dp"),
     )
+    if ep > 1:
+        experts = init_device_mesh(
+            device, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")
+        )
+        _state = dataclasses.replace(
+            _state,
+            ep_group=experts.get_group("ep"),
+            expert_dp_group=experts.get_group("edp"),
+            ep_rank=experts.get_local_rank("ep"),
+            ep_size=ep,
+        )
     set_default_group(_state.tp_group)
     return _state
 

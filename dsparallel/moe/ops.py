@@ -1,0 +1,82 @@
+"""Typed wrappers over the C++ dispatch and combine ops (see
+``csrc/ops/moe_dispatch.cpp``) and their fake kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .. import _C  # noqa: F401  (registers the ops)
+
+_ops = torch.ops.dsparallel
+
+
+def _size(group_name: str) -> int:
+    return _resolve_process_group(group_name).size()
+
+
+@torch.library.register_fake("dsparallel::moe_plan")
+def _plan_fake(expert_idx, num_experts, group_name):
+    n = _size(group_name)
+    kept = torch.library.get_ctx().new_dynamic_size()
+    counts = torch.empty(n, num_experts // n, dtype=torch.long)
+    return expert_idx.new_empty(kept, dtype=torch.long), counts, counts.clone()
+
+
+@torch.library.register_fake("dsparallel::moe_dispatch")
+def _dispatch_fake(x, order, send_counts, recv_counts, top_k, group_name):
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size(), x.shape[1])
+
+
+@torch.library.register_fake("dsparallel::_moe_dispatch_backward")
+def _dispatch_backward_fake(grad, order, send_counts, recv_counts, top_k, num_tokens, group_name):
+    return grad.new_empty(num_tokens, grad.shape[1])
+
+
+@torch.library.register_fake("dsparallel::moe_combine")
+def _combine_fake(y, weights, order, send_counts, recv_counts, group_name):
+    return y.new_empty(weights.shape[0], y.shape[1])
+
+
+@torch.library.register_fake("dsparallel::_moe_combine_forward")
+def _combine_forward_fake(y, weights, order, send_counts, recv_counts, group_name):
+    t, k = weights.shape
+    return y.new_empty(t, y.shape[1]), y.new_empty(t * k, y.shape[1])
+
+
+@torch.library.register_fake("dsparallel::_moe_combine_backward")
+def _combine_backward_fake(grad, slots, weights, order, send_counts, recv_counts, num_rows, g):
+    return grad.new_empty(num_rows, grad.shape[1]), weights.new_empty(weights.shape)
+
+
+class Plan:
+    """Where this rank's (token, slot) assignments go: ``order`` (the
+    assignments sorted by expert, dropped ones left out), ``send_counts``
+    [group, local experts] and ``recv_counts`` [group, local experts]."""
+
+    def __init__(self, expert_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup):
+        self.group_name = group.group_name
+        self.top_k = expert_idx.shape[1]
+        self.order, self.send_counts, self.recv_counts = _ops.moe_plan(
+            expert_idx, num_experts, self.group_name
+        )
+
+    def tokens_per_local_expert(self) -> list[int]:
+        """Rows each of this rank's experts receives (from every source)."""
+        return self.recv_counts.sum(0).tolist()
+
+
+def dispatch(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Each assignment's token row on its expert's rank, expert-major."""
+    return _ops.moe_dispatch(
+        x, plan.order, plan.send_counts, plan.recv_counts, plan.top_k, plan.group_name
+    )
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The expert outputs back on their tokens' ranks, summed per token with
+    ``weights`` [tokens, top_k]."""
+    return _ops.moe_combine(
+        y, weights, plan.order, plan.send_counts, plan.recv_counts, plan.group_name
+    )
