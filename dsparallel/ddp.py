@@ -311,11 +311,16 @@ class DistributedDataParallel(nn.Module):
                     "model.parameters(), ...), created before the first forward"
                 )
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            outputs = _tensors_in(output) if self.find_unused_parameters else []
-            self.reducer.prepare_for_backward(outputs)
-            if self._expert_reducer is not None:
-                self._expert_reducer.prepare_for_backward(outputs)
+            self.prepare_for_backward(_tensors_in(output) if self.find_unused_parameters else [])
         return output
+
+    def prepare_for_backward(self, outputs: list[torch.Tensor]) -> None:
+        """Arms the reducers for the next backward (``forward`` does this;
+        the pipeline runtime, which runs forwards under ``no_sync``, calls it
+        before a stage's last backward)."""
+        self.reducer.prepare_for_backward(outputs)
+        if self._expert_reducer is not None:
+            self._expert_reducer.prepare_for_backward(outputs)
 
     @contextmanager
     def no_sync(self):

@@ -211,10 +211,16 @@ class _Piece:
 
 def _signature(groups: list[dict]) -> list[tuple]:
     return [
-        (gi, pi, tuple(p.shape), str(p.dtype), p.requires_grad)
+        (gi, pi, tuple(p.shape), str(p.dtype), p.requires_grad, _experts_held(p))
         for gi, g in enumerate(groups)
         for pi, p in enumerate(g["params"])
     ]
+
+
+def _experts_held(p: torch.Tensor) -> str:
+    """Which experts an expert-parallel MoE parameter holds ("" otherwise)."""
+    group = getattr(p, "_dsp_expert_group", None)
+    return "" if group is None else f"the experts of expert-parallel rank {dist.get_rank(group)}"
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -262,6 +268,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if theirs == every[0]:
                 continue
             for a, b in zip(every[0], theirs):
+                if a[5] != b[5]:
+                    raise ValueError(
+                        f"ZeroRedundancyOptimizer: parameter {a[1]} of group {a[0]} holds "
+                        f"{a[5]} on rank 0 but {b[5]} on rank {r}: shard expert parameters "
+                        "with their own ZeroRedundancyOptimizer over the ranks that hold the "
+                        "same experts (init_parallel's expert_dp_group)"
+                    )
                 if a != b:
                     raise ValueError(
                         f"ZeroRedundancyOptimizer: ranks hold different parameters: parameter "

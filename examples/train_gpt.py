@@ -62,7 +62,7 @@ def batch(corpus: torch.Tensor, step: int, size: int, seq: int):
 
 
 def layout_of(state) -> dict:
-    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size}
+    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "ep": state.ep_size}
 
 
 def save(path, rank, state, cfg, step, module, opt, history):
@@ -93,16 +93,17 @@ def resume(path, rank, state, cfg, module, opt):
     file = os.path.join(path, f"rank{rank:05d}.pt")
     with open(os.path.join(path, "layout.json")) as f:
         saved = json.load(f)["layout"]
+    saved.setdefault("ep", 1)  # saved before expert parallelism
     mine = layout_of(state)
     only_dp_differs = {k: v for k, v in saved.items() if k != "dp"} == {
         k: v for k, v in mine.items() if k != "dp"
     }
     zero = isinstance(opt, dsparallel.ZeroRedundancyOptimizer)
-    if saved != mine and not (only_dp_differs and zero):
+    if saved != mine and not (only_dp_differs and zero and mine["ep"] == 1):
         raise SystemExit(
             f"--resume {path}: saved with layout {saved}; this run is {mine}. Resharding "
-            "works for the data-parallel size with --zero-stage 1 or 2 only: resume with the "
-            "tensor- and pipeline-parallel layout it was saved with."
+            "works for the data-parallel size with --zero-stage 1 or 2 (and no expert "
+            "parallelism) only: resume with the layout it was saved with."
         )
     if saved != mine:
         # Another data-parallel size: the model from the saved replica 0 of
@@ -185,10 +186,19 @@ def make_job(
     backend: str | None = None,
     zero_stage: int = 0,
     schedule: str = "1f1b",
+    expert_parallel: int = 1,
 ) -> Job:
     """Lays out the ranks, builds this rank's stage, wraps it in DDP across
     its replicas and in the 1F1B schedule across the stages."""
-    state = dsparallel.init_parallel(tensor_parallel, pipeline_parallel, backend)
+    state = dsparallel.init_parallel(
+        tensor_parallel, pipeline_parallel, backend, expert_parallel_size=expert_parallel
+    )
+    if zero_stage and state.ep_size > 1 and cfg.moe_experts:
+        raise SystemExit(
+            "--zero-stage with --expert-parallel > 1 is not supported yet: the expert "
+            "parameters would need their own ZeroRedundancyOptimizer over the expert "
+            "data-parallel group"
+        )
     if batch_size % (state.dp_size * micro_batches):
         raise SystemExit(
             f"--batch-size {batch_size} must divide into {state.dp_size} data-parallel "
@@ -232,6 +242,9 @@ def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
         job.schedule.step(*inputs)
     job.opt.step()
     job.opt.zero_grad(set_to_none=True)
+    # Mixture of experts: the routing bias moves towards an even load, from
+    # the counts of every data-parallel replica.
+    dsparallel.moe.update_expert_bias(job.module, state.dp_group)
     # The loss lives on the last stage: its mean over the data-parallel
     # replicas reaches every rank through one small all-reduce.
     contribution = torch.zeros(1)
@@ -239,6 +252,29 @@ def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
         contribution += torch.stack(losses).mean() / state.dp_size
     dist.all_reduce(contribution)
     return contribution.item()
+
+
+def expert_load_summary(job: Job) -> list[str]:
+    """Tokens per expert over the run (all data-parallel replicas), per MoE
+    block of this rank's stage, and the tokens dropped over capacity."""
+    layers = dsparallel.moe.moe_layers(job.module)
+    if not layers:
+        return []
+    load = torch.stack([m.router.total_load for m in layers])
+    dropped = torch.tensor([float(m.dropped_total) for m in layers])
+    both = torch.cat([load.flatten(), dropped])
+    dist.all_reduce(both, group=job.state.dp_group)
+    load = both[: load.numel()].view_as(load)
+    lines = []
+    for i, (row, d) in enumerate(zip(load, both[load.numel() :])):
+        share = row / row.sum().clamp(min=1)
+        lines.append(
+            f"moe block {i} of stage {job.state.pp_rank}: tokens per expert "
+            + " ".join(f"{int(c)}" for c in row)
+            + f" (max/mean {share.max().item() * len(row):.2f})"
+            + (f", {int(d)} assignments dropped over capacity" if d else "")
+        )
+    return lines
 
 
 def main() -> None:
@@ -268,6 +304,23 @@ def main() -> None:
         help="1: AdamW's state sharded over the data-parallel ranks (ZeRO stage 1); "
         "2: the gradients too (ZeRO stage 2)",
     )
+    p.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        help="routed experts per block (0: dense MLPs); split over --expert-parallel ranks",
+    )
+    p.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--moe-shared-experts", type=int, default=0)
+    p.add_argument(
+        "--moe-capacity-factor", type=float, default=None, help="drop over capacity (default: none)"
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        help="expert-parallel size, carved out of the data-parallel ranks",
+    )
     p.add_argument("--save", help="directory for a checkpoint at the end")
     p.add_argument("--resume", help="directory of a checkpoint to continue from")
     p.add_argument("--plot", default="gpt_loss.png", help="loss curve PNG ('' for none)")
@@ -276,7 +329,16 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
+    cfg = GPTConfig(
+        seq_len=args.seq,
+        hidden=args.hidden,
+        heads=args.heads,
+        layers=args.layers,
+        moe_experts=args.moe_experts,
+        moe_top_k=args.moe_top_k,
+        moe_shared_experts=args.moe_shared_experts,
+        moe_capacity_factor=args.moe_capacity_factor,
+    )
     job = make_job(
         cfg,
         args.tensor_parallel,
@@ -288,6 +350,7 @@ def main() -> None:
         backend=args.backend,
         zero_stage=args.zero_stage,
         schedule=args.schedule,
+        expert_parallel=args.expert_parallel,
     )
     state, module, opt = job.state, job.module, job.opt
     rank = dist.get_rank()
@@ -300,7 +363,9 @@ def main() -> None:
         n = sum(p.numel() for p in module.parameters())
         print(
             f"GPT {cfg.layers} layers x {cfg.hidden} hidden on {dist.get_world_size()} ranks: "
-            f"tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}, "
+            f"tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}"
+            + (f" (ep {state.ep_size})" if state.ep_size > 1 else "")
+            + ", "
             f"{job.micro_batches} micro-batches, {n:,} parameters on rank 0; "
             f"{len(corpus):,} characters of text" + (f"; resumed at step {start}" if start else ""),
             flush=True,
@@ -317,6 +382,7 @@ def main() -> None:
 
     if args.save:
         save(args.save, rank, state, cfg, args.steps, module, opt, history)
+    moe_summary = expert_load_summary(job)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     peaks = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
@@ -328,6 +394,8 @@ def main() -> None:
             f"{tokens / elapsed if ran else 0:,.0f} tokens/s over {len(ran)} steps; "
             "peak RSS per rank (MB): " + ", ".join(f"{p.item():.0f}" for p in peaks)
         )
+        for line in moe_summary:
+            print(line)
         if args.losses:
             with open(args.losses, "w") as f:
                 json.dump(history, f)

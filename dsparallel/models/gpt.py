@@ -9,6 +9,12 @@ Layer ``i`` is initialised under its own seed (``seed + i``), so a stage
 builds exactly the layers the whole model would have, whatever the pipeline
 and tensor-parallel sizes: the same seed gives the same model in one process
 and in any layout.
+
+With ``moe_experts`` > 0 each block's MLP is a mixture of experts
+(``dsparallel.moe.MoE``): ``moe_top_k`` routed experts per token, each
+``4 * hidden / moe_top_k`` wide so that the routed part has the dense MLP's
+active parameters, plus ``moe_shared_experts`` shared ones, the routed
+experts split over init_parallel's expert-parallel group.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 
 from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
+from ..moe import MoE
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,10 @@ class GPTConfig:
     heads: int = 4
     layers: int = 4
     dropout: float = 0.0
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_capacity_factor: float | None = None
 
 
 class Embedding(nn.Module):
@@ -56,7 +67,19 @@ class Block(nn.Module):
         self.attn = tp.ParallelAttention(
             cfg.hidden, cfg.heads, group=group, causal=True, dropout=cfg.dropout
         )
-        self.mlp = tp.ParallelMLP(cfg.hidden, 4 * cfg.hidden, group=group)
+        if cfg.moe_experts:
+            # Experts are not split by tensor parallelism: every rank of a
+            # tensor-parallel group routes the same (replicated) tokens.
+            self.mlp = MoE(
+                cfg.hidden,
+                max(1, 4 * cfg.hidden // cfg.moe_top_k),
+                cfg.moe_experts,
+                cfg.moe_top_k,
+                num_shared_experts=cfg.moe_shared_experts,
+                capacity_factor=cfg.moe_capacity_factor,
+            )
+        else:
+            self.mlp = tp.ParallelMLP(cfg.hidden, 4 * cfg.hidden, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpoint and torch.is_grad_enabled():

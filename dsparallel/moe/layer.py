@@ -134,6 +134,7 @@ class MoE(nn.Module):
                 nn.Linear(width, hidden_size, bias=False),
             )
         self.last_dropped = 0
+        self.dropped_total = 0  # over training forwards
         self.aux_loss: torch.Tensor | None = None
 
     def _check(self, hidden, ffn, num_experts, top_k, size):
@@ -202,6 +203,8 @@ class MoE(nn.Module):
         position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         dropped = position >= capacity
         self.last_dropped = int(dropped.sum())
+        if self.training:
+            self.dropped_total += self.last_dropped
         return flat.masked_fill(dropped, -1).view_as(idx)
 
 

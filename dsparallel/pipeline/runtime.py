@@ -131,7 +131,7 @@ class _PipelineSchedule:
                 with replay_rng(slot.rng):
                     slot.output, slot.loss = self._compute(stage, slot)
             if _is_ddp(stage.submod) and mb == self._last_backward.get(s):
-                stage.submod.reducer.prepare_for_backward([slot.output])
+                stage.submod.prepare_for_backward([slot.output])
             if stage.is_last:
                 torch.autograd.backward(slot.loss / m)
             else:
@@ -141,7 +141,7 @@ class _PipelineSchedule:
         def weight(s, mb):
             submod = self.stages[s].submod
             if _is_ddp(submod) and mb == self._last_weight[s]:
-                submod.reducer.prepare_for_backward([])
+                submod.prepare_for_backward([])
                 return [p for p in submod.parameters() if p.requires_grad]
             return []
 

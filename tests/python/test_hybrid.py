@@ -31,11 +31,13 @@ def _train_gpt_module():
     return train_gpt
 
 
-def _one_process_losses(rank, world, steps):
+def _one_process_losses(rank, world, steps, moe=None):
+    """The GPT job's losses in one process (``moe``: GPTConfig's moe_* fields)."""
     from dsparallel.models import GPTConfig, build_stage, gpt_loss
+    from dsparallel.moe import update_expert_bias
 
     job = _train_gpt_module()
-    cfg = GPTConfig(seq_len=32, hidden=64, heads=4, layers=4)
+    cfg = GPTConfig(seq_len=32, hidden=64, heads=4, layers=4, **(moe or {}))
     model = build_stage(cfg)  # the whole model; the world is one process
     loss_fn = gpt_loss()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -47,6 +49,7 @@ def _one_process_losses(rank, world, steps):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        update_expert_bias(model)
         losses.append(loss.item())
     return losses
 

@@ -236,3 +236,53 @@ def _bad_input_body(rank, world):
 
 def test_bad_input_raises_on_every_rank():
     run_ranks(_bad_input_body, 4, timeout=120)
+
+
+# ---------------------------------------------------------------- the MoE GPT
+
+
+def test_moe_gpt_expert_parallel_matches_one_process(tmp_path):
+    """examples/train_gpt.py with 4 experts (top 2, one shared) at expert
+    parallel 2 x data parallel 2 (our DDP reduces the experts over the ranks
+    holding the same ones) equals one process holding every expert, over 10
+    steps of AdamW and balancing-bias updates."""
+    from test_hybrid import STEPS, _one_process_losses, _run_job
+
+    moe = {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
+    want = run_ranks(_one_process_losses, 1, STEPS, moe)[0]
+    flags = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1"]
+    layout = ["--tensor-parallel", "1", "--pipeline-parallel", "1", "--expert-parallel", "2"]
+    layout += ["--micro-batches", "2"]
+    history = _run_job(tmp_path, "moe", "--steps", str(STEPS), *layout, *flags)
+    got = [loss for _, loss in history]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+    assert got[-1] < got[0]
+
+
+def _ddp_body(rank, world, ep):
+    """Our DDP over init_parallel's groups: dense gradients averaged over the
+    data-parallel ranks, expert gradients over the ranks holding the same
+    experts (scaled by 1/ep): every gradient equals one process's on the
+    global batch."""
+    ref = _build(None, 2, 4, num_shared_experts=1)  # before init_parallel: every expert
+    state = dsparallel.init_parallel(expert_parallel_size=ep)
+    model = _build(state.ep_group, 2, 4, num_shared_experts=1)
+    ddp = dsparallel.DistributedDataParallel(model, process_group=state.dp_group)
+    n = model.num_local_experts
+    local = slice(state.ep_rank * n, (state.ep_rank + 1) * n)
+    for step in range(2):
+        ddp(_tokens(rank, step)).pow(2).mean().backward()
+        ref.zero_grad()
+        everyone = torch.cat([_tokens(r, step) for r in range(world)])
+        ref(everyone).pow(2).mean().backward()
+        for (n, got), want in zip(model.named_parameters(), ref.parameters()):
+            want = want.grad[local] if n.startswith("experts.") else want.grad
+            torch.testing.assert_close(got.grad, want, rtol=1e-5, atol=1e-7, msg=n)
+        model.zero_grad()
+    dsparallel.destroy_parallel()
+    return True
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ddp_reduces_expert_gradients_over_their_holders(ep):
+    run_ranks(_ddp_body, 4, ep, timeout=120)
