@@ -86,3 +86,11 @@ def test_train_gpt_default_layout_runs(tmp_path):
     summary = next(line for line in out.splitlines() if line.startswith("summary:"))
     assert "tokens/s" in summary and "peak RSS per rank" in summary
     assert png.stat().st_size > 1000
+
+
+def test_moe_example_learns_and_keeps_replicas_equal():
+    out = _torchrun("moe.py", "--steps", "40", "--shared-experts", "1")
+    done = next(line for line in out.splitlines() if line.startswith("done:"))
+    first, last = (float(v) for v in done.split("loss ")[1].split(";")[0].split(" -> "))
+    assert last < first - 1.0, done
+    assert "dense parameters agree across ranks" in done
