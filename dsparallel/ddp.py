@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .parallel_state import expert_dp_group_of
 from .zero import ShardedBuffer
 
 _MB = 1024 * 1024
@@ -138,7 +139,9 @@ class DistributedDataParallel(nn.Module):
         self._verify_same_model(named)
         experts = [(n, p) for n, p in named if getattr(p, "_dsp_expert_group", None) is not None]
         named = [(n, p) for n, p in named if getattr(p, "_dsp_expert_group", None) is None]
-        self.expert_process_group = self._expert_dp_group(experts, zero_stage)
+        self.expert_process_group = (
+            expert_dp_group_of(*experts[0], "DistributedDataParallel") if experts else None
+        )
         self._sync_module_states([p for _, p in experts])
 
         cap_mb = _DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
@@ -156,15 +159,22 @@ class DistributedDataParallel(nn.Module):
                 zero_stage=stage,
             )
 
-        self.reducer = reducer(named, self.process_group, 2 if zero_stage == 2 else 0)
+        stage = 2 if zero_stage == 2 else 0
+        self.reducer = reducer(named, self.process_group, stage)
         self._expert_reducer = None
         if experts:
-            self._expert_reducer = reducer(experts, self.expert_process_group, 0)
+            self._expert_reducer = reducer(experts, self.expert_process_group, stage)
             ep = dist.get_world_size(experts[0][1]._dsp_expert_group)
             self._expert_scale_hooks = [p.register_hook(lambda g: g / ep) for _, p in experts]
-        self._zero_buffers = self._shard_buckets([p for _, p in named]) if zero_stage == 2 else []
+        self._zero_buffers = []
+        if zero_stage == 2:
+            self._zero_buffers = self._shard_buckets(self.reducer, named, self.process_group)
+            if experts:
+                self._zero_buffers += self._shard_buckets(
+                    self._expert_reducer, experts, self.expert_process_group
+                )
         if overlap_param_gather:
-            self._wait_before_use(named)
+            self._wait_before_use(named + experts)
 
     # ---------------------------------------------------------------- set-up
 
@@ -208,36 +218,6 @@ class DistributedDataParallel(nn.Module):
                         "must wrap the same model"
                     )
 
-    def _expert_dp_group(self, experts, zero_stage: int):
-        """The group expert parameters are reduced over: init_parallel's
-        expert data-parallel group, when they are split over its
-        expert-parallel group."""
-        if not experts:
-            return None
-        from .parallel_state import _state
-
-        name, p = experts[0]
-        if (
-            _state is None
-            or _state.ep_group is None
-            or (_state.ep_group.group_name != p._dsp_expert_group.group_name)
-        ):
-            raise ValueError(
-                f"DistributedDataParallel: parameter {name!r} belongs to experts split over an "
-                "expert-parallel group that is not init_parallel's: build the layout with "
-                "dsparallel.init_parallel(expert_parallel_size=E) and the MoE layers with its "
-                "ep_group, so that expert gradients can be reduced over the ranks holding the "
-                "same experts"
-            )
-        if zero_stage == 2:
-            raise NotImplementedError(
-                "DistributedDataParallel: zero_stage=2 with expert-parallel MoE layers is not "
-                "supported yet; use zero_stage=1 (ZeroRedundancyOptimizer over the dense "
-                "parameters and another over the expert ones with "
-                "process_group=state.expert_dp_group)"
-            )
-        return _state.expert_dp_group
-
     def _sync_module_states(self, experts: list[torch.Tensor]):
         """Parameters and buffers start as rank 0's; expert parameters as
         those of the first rank holding the same experts."""
@@ -251,22 +231,24 @@ class DistributedDataParallel(nn.Module):
             for p in experts:
                 dist.broadcast(p.detach(), src, group=self.expert_process_group)
 
-    def _shard_buckets(self, params: list[torch.Tensor]) -> list[ShardedBuffer]:
+    @staticmethod
+    def _shard_buckets(reducer, named, group) -> list[ShardedBuffer]:
         """ZeRO stage 2: the parameters of each bucket become views into one
         flat buffer laid out like the bucket, whose slices the reducer's
         gradient shards match; ZeroRedundancyOptimizer finds them on the
         parameters and steps them."""
-        rank = dist.get_rank(self.process_group)
-        world = dist.get_world_size(self.process_group)
+        params = [p for _, p in named]
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         buffers = []
         for members, offsets, padded, shard in zip(
-            self.reducer.bucket_indices(),
-            self.reducer.bucket_offsets(),
-            self.reducer.padded_numels(),
-            self.reducer.grad_shards(),
+            reducer.bucket_indices(),
+            reducer.bucket_offsets(),
+            reducer.padded_numels(),
+            reducer.grad_shards(),
         ):
             ps = [params[i] for i in members]
-            buffer = ShardedBuffer(ps, offsets, padded, rank, world, shard, self.reducer, members)
+            buffer = ShardedBuffer(ps, offsets, padded, rank, world, shard, reducer, members)
+            buffer.group = group
             for p in ps:
                 p._dsp_zero_buffer = buffer
             buffers.append(buffer)
@@ -351,6 +333,8 @@ class DistributedDataParallel(nn.Module):
             # The same compression, under reduce-scatter: buckets travel in
             # the narrow format and each rank adds its slice into its shard.
             self.reducer.set_reduce_dtype(dtype)
+            if self._expert_reducer is not None:
+                self._expert_reducer.set_reduce_dtype(dtype)
             return
         self.reducer.register_comm_hook(state, hook)
         if self._expert_reducer is not None:

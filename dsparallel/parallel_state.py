@@ -125,6 +125,25 @@ def init_parallel(
     return _state
 
 
+def expert_dp_group_of(name: str, p: torch.Tensor, who: str) -> dist.ProcessGroup:
+    """The group that reduces (and shards) the expert parameter ``p``: the
+    ranks holding the same experts, which init_parallel's layout provides."""
+    group = p._dsp_expert_group
+    if (
+        _state is None
+        or _state.ep_group is None
+        or (_state.ep_group.group_name != group.group_name)
+    ):
+        raise ValueError(
+            f"{who}: parameter {name!r} belongs to experts split over an expert-parallel group "
+            "that is not init_parallel's: build the layout with "
+            "dsparallel.init_parallel(expert_parallel_size=E) and the MoE layers with its "
+            "ep_group, so that expert parameters can be reduced over the ranks holding the "
+            "same experts"
+        )
+    return _state.expert_dp_group
+
+
 def get_parallel_state() -> ParallelState:
     if _state is None:
         raise RuntimeError("call dsparallel.init_parallel() first")

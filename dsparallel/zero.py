@@ -37,9 +37,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .parallel_state import expert_dp_group_of
+
 _FULL_PRECISION = (torch.float32, torch.float64)
 # torch 2.13 renamed all_gather_into_tensor (still an alias there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _expert_parallel_group():
+    from .parallel_state import get_parallel_state
+
+    return get_parallel_state().ep_group
 
 
 class ShardedBuffer:
@@ -70,6 +78,10 @@ class ShardedBuffer:
         self.reducer = reducer
         self.members = members  # stage 2: the parameters' indices in the reducer
         self.owner = None  # the optimizer that steps this buffer
+        # The group the slices are spread over (None: the optimizer's); for
+        # expert parameters, the ranks holding the same experts.
+        self.group = None
+        self.expert = bool(params) and getattr(params[0], "_dsp_expert_group", None) is not None
         # Stage 2 with overlap_param_gather: the all-gather after a step is
         # left running, and the DDP's forward pre-hooks wait for it.
         self.overlap_gather = False
@@ -211,16 +223,10 @@ class _Piece:
 
 def _signature(groups: list[dict]) -> list[tuple]:
     return [
-        (gi, pi, tuple(p.shape), str(p.dtype), p.requires_grad, _experts_held(p))
+        (gi, pi, tuple(p.shape), str(p.dtype), p.requires_grad)
         for gi, g in enumerate(groups)
         for pi, p in enumerate(g["params"])
     ]
-
-
-def _experts_held(p: torch.Tensor) -> str:
-    """Which experts an expert-parallel MoE parameter holds ("" otherwise)."""
-    group = getattr(p, "_dsp_expert_group", None)
-    return "" if group is None else f"the experts of expert-parallel rank {dist.get_rank(group)}"
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -268,13 +274,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if theirs == every[0]:
                 continue
             for a, b in zip(every[0], theirs):
-                if a[5] != b[5]:
-                    raise ValueError(
-                        f"ZeroRedundancyOptimizer: parameter {a[1]} of group {a[0]} holds "
-                        f"{a[5]} on rank 0 but {b[5]} on rank {r}: shard expert parameters "
-                        "with their own ZeroRedundancyOptimizer over the ranks that hold the "
-                        "same experts (init_parallel's expert_dp_group)"
-                    )
                 if a != b:
                     raise ValueError(
                         f"ZeroRedundancyOptimizer: ranks hold different parameters: parameter "
@@ -335,15 +334,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         trainable = [p for p in self.param_groups[gi]["params"] if p.requires_grad]
         # Stage 2: the DDP's buckets that hold these parameters.
         by_buffer: dict[int, tuple[ShardedBuffer, list]] = {}
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        # Stage 1: one buffer per (dtype, expert or not); expert parameters
+        # (of expert-parallel MoE layers) are sharded over the ranks holding
+        # the same experts, not over the whole group.
+        by_dtype: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
         for p in trainable:
             buffer = getattr(p, "_dsp_zero_buffer", None)
             if buffer is not None:
                 by_buffer.setdefault(id(buffer), (buffer, []))[1].append(p)
             else:
-                by_dtype.setdefault(p.dtype, []).append(p)
+                expert = getattr(p, "_dsp_expert_group", None) is not None
+                by_dtype.setdefault((p.dtype, expert), []).append(p)
         pairs = list(by_buffer.values())
-        pairs += [(ShardedBuffer.packed(ps, self.rank, self.world), ps) for ps in by_dtype.values()]
+        for (_, expert), ps in by_dtype.items():
+            group = self.process_group
+            if expert:
+                group = expert_dp_group_of(f"of group {gi}", ps[0], "ZeroRedundancyOptimizer")
+            buffer = ShardedBuffer.packed(ps, dist.get_rank(group), dist.get_world_size(group))
+            buffer.group = group
+            pairs.append((buffer, ps))
         for buffer, ps in pairs:
             self._claim(buffer)
             ids = {id(p) for p in ps}
@@ -386,7 +395,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for buffer in self._buffers:
             for piece in buffer.pieces:
                 piece.param.grad = None
-            buffer.start_gather(self.process_group)  # into the parameters
+            buffer.start_gather(buffer.group or self.process_group)  # into the parameters
         for buffer in self._buffers:
             if not buffer.overlap_gather:
                 buffer.wait_gather()
@@ -409,18 +418,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finds no ``.grad``, and under stage 1 computes the same norm from the
         whole gradients at N times the work)."""
         norm_type = float(norm_type)
-        grads = [g.float() for _, g in self._grads() if g is not None]
+        inf = norm_type == float("inf")
         device = self._buffers[0].flat.device if self._buffers else torch.device("cpu")
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
-            total = local.float().clone()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
-        else:
-            local = sum(
-                (g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device)
-            )
-            dist.all_reduce(local, group=self.process_group)
-            total = local.pow(1.0 / norm_type)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+
+        def add(acc, g):
+            g = g.float().abs()
+            return torch.maximum(acc, g.max()) if inf else acc + g.pow(norm_type).sum()
+
+        dense = expert = torch.zeros((), device=device)
+        for piece, g in self._grads():
+            if g is not None and piece.buffer.expert:
+                expert = add(expert, g)
+            elif g is not None:
+                dense = add(dense, g)
+        dist.all_reduce(dense, op=op, group=self.process_group)
+        experts = [b for b in self._buffers if b.expert]
+        if experts:
+            # Over the ranks sharing the experts' slices, then over the
+            # expert-parallel group, whose ranks hold the other experts.
+            dist.all_reduce(expert, op=op, group=experts[0].group)
+            dist.all_reduce(expert, op=op, group=_expert_parallel_group())
+        total = torch.maximum(dense, expert) if inf else (dense + expert).pow(1.0 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1:
             for b in self._buffers:
@@ -469,6 +488,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Gathers the whole optimizer state on rank ``to`` (call it on every
         rank), as a plain ``torch.optim`` state dict that ``state_dict()``
         then returns there: it loads into ``optimizer_class`` itself."""
+        if any(b.expert for b in self._buffers):
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer.consolidate_state_dict: the optimizer holds expert-"
+                "parallel parameters, which differ between ranks; save each rank's "
+                "state_dict() shard instead"
+            )
         every = [None] * self.world if self.rank == to else None
         dist.gather_object(self._shard_state(), every, group=self.process_group, group_dst=to)
         if self.rank != to:

@@ -193,12 +193,6 @@ def make_job(
     state = dsparallel.init_parallel(
         tensor_parallel, pipeline_parallel, backend, expert_parallel_size=expert_parallel
     )
-    if zero_stage and state.ep_size > 1 and cfg.moe_experts:
-        raise SystemExit(
-            "--zero-stage with --expert-parallel > 1 is not supported yet: the expert "
-            "parameters would need their own ZeroRedundancyOptimizer over the expert "
-            "data-parallel group"
-        )
     if batch_size % (state.dp_size * micro_batches):
         raise SystemExit(
             f"--batch-size {batch_size} must divide into {state.dp_size} data-parallel "

@@ -198,7 +198,7 @@ def _opcheck_body(rank, world):
     return True
 
 
-def test_dispatch_and_combine_pass_opcheck_and_gradcheck():
+def test_dispatch_and_combine_pass_opcheck_and_are_adjoint():
     run_ranks(_opcheck_body, 2, timeout=300)
 
 
@@ -241,48 +241,90 @@ def test_bad_input_raises_on_every_rank():
 # ---------------------------------------------------------------- the MoE GPT
 
 
-def test_moe_gpt_expert_parallel_matches_one_process(tmp_path):
-    """examples/train_gpt.py with 4 experts (top 2, one shared) at expert
-    parallel 2 x data parallel 2 (our DDP reduces the experts over the ranks
-    holding the same ones) equals one process holding every expert, over 10
-    steps of AdamW and balancing-bias updates."""
-    from test_hybrid import STEPS, _one_process_losses, _run_job
+@pytest.fixture(scope="module")
+def moe_reference():
+    from test_hybrid import STEPS, _one_process_losses
 
-    moe = {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
-    want = run_ranks(_one_process_losses, 1, STEPS, moe)[0]
-    flags = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1"]
-    layout = ["--tensor-parallel", "1", "--pipeline-parallel", "1", "--expert-parallel", "2"]
-    layout += ["--micro-batches", "2"]
-    history = _run_job(tmp_path, "moe", "--steps", str(STEPS), *layout, *flags)
+    return run_ranks(_one_process_losses, 1, STEPS, MOE_CFG)[0]
+
+
+MOE_CFG = {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
+MOE_FLAGS = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--tensor-parallel", "1", "--pipeline-parallel", "1"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "1", "--zero-stage", "2"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--zero-stage", "1"),
+    ],
+    ids=["ep2-dp4", "ep2-dp4-zero2", "pp2-ep2-dp2-zero1"],
+)
+def test_moe_gpt_expert_parallel_matches_one_process(tmp_path, moe_reference, layout):
+    """examples/train_gpt.py with 4 experts (top 2, one shared) and expert
+    parallel 2 inside the data-parallel ranks (our DDP reduces the experts over
+    the ranks holding the same ones; ZeRO shards them there) equals one
+    process holding every expert, over 10 steps of AdamW and balancing-bias
+    updates; also under a pipeline."""
+    from test_hybrid import STEPS, _run_job
+
+    layout = [*layout, "--expert-parallel", "2", "--micro-batches", "2"]
+    history = _run_job(tmp_path, "moe", "--steps", str(STEPS), *layout, *MOE_FLAGS)
     got = [loss for _, loss in history]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(moe_reference), rtol=1e-4, atol=0)
     assert got[-1] < got[0]
 
 
-def _ddp_body(rank, world, ep):
+def _ddp_body(rank, world, ep, zero_stage):
     """Our DDP over init_parallel's groups: dense gradients averaged over the
     data-parallel ranks, expert gradients over the ranks holding the same
     experts (scaled by 1/ep): every gradient equals one process's on the
-    global batch."""
+    global batch. With ZeRO (stage 1: sharded optimizer state, stage 2:
+    sharded gradients too) the expert parameters are sharded over the ranks
+    holding them; AdamW with global-norm clipping then equals one process."""
     ref = _build(None, 2, 4, num_shared_experts=1)  # before init_parallel: every expert
     state = dsparallel.init_parallel(expert_parallel_size=ep)
     model = _build(state.ep_group, 2, 4, num_shared_experts=1)
-    ddp = dsparallel.DistributedDataParallel(model, process_group=state.dp_group)
-    n = model.num_local_experts
-    local = slice(state.ep_rank * n, (state.ep_rank + 1) * n)
-    for step in range(2):
+    ddp = dsparallel.DistributedDataParallel(
+        model, process_group=state.dp_group, zero_stage=zero_stage
+    )
+    per_rank = model.num_local_experts
+    local = slice(state.ep_rank * per_rank, (state.ep_rank + 1) * per_rank)
+
+    def mine(name, t):
+        return t[local] if name.startswith("experts.") else t
+
+    if zero_stage:
+        opt = dsparallel.ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, process_group=state.dp_group, lr=1e-2
+        )
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
         ddp(_tokens(rank, step)).pow(2).mean().backward()
-        ref.zero_grad()
         everyone = torch.cat([_tokens(r, step) for r in range(world)])
         ref(everyone).pow(2).mean().backward()
-        for (n, got), want in zip(model.named_parameters(), ref.parameters()):
-            want = want.grad[local] if n.startswith("experts.") else want.grad
-            torch.testing.assert_close(got.grad, want, rtol=1e-5, atol=1e-7, msg=n)
-        model.zero_grad()
+        if not zero_stage:
+            for (n, got), want in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(got.grad, mine(n, want.grad), rtol=1e-5, atol=1e-7)
+            model.zero_grad()
+        else:
+            norm = opt.clip_grad_norm_(1e-3)
+            want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+            torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=0)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+        ref.zero_grad()
+        update_expert_bias(model)
+        ref.router.apply_load(ref.router.pending_load.clone())
+    for (n, got), want in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got, mine(n, want), rtol=1e-5, atol=1e-6, msg=n)
+    torch.testing.assert_close(model.router.expert_bias, ref.router.expert_bias)
     dsparallel.destroy_parallel()
     return True
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_ddp_reduces_expert_gradients_over_their_holders(ep):
-    run_ranks(_ddp_body, 4, ep, timeout=120)
+@pytest.mark.parametrize("ep,zero_stage", [(2, 0), (4, 0), (2, 1), (2, 2), (4, 2)])
+def test_ddp_and_zero_reduce_expert_parameters_over_their_holders(ep, zero_stage):
+    run_ranks(_ddp_body, 4, ep, zero_stage, timeout=120)
