@@ -174,6 +174,11 @@ PYBIND11_MODULE(_C, m) {
              return s;
            }),
            py::arg("num_stages"), py::arg("num_microbatches"), py::arg("ranks"))
+      // "loop" (stage s on rank s % ranks) or "v" (rank r: stages r and 2 ranks - 1 - r).
+      .def_property_readonly("placement",
+                             [](const pp::Schedule& s) {
+                               return s.placement == pp::Placement::kV ? "v" : "loop";
+                             })
       .def_readonly("num_stages", &pp::Schedule::num_stages)
       .def_readonly("num_ranks", &pp::Schedule::num_ranks)
       .def_readonly("num_microbatches", &pp::Schedule::num_microbatches)
@@ -188,10 +193,15 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("costs") = std::nullopt);
   py::class_<dsparallel::pipeline::Runtime>(m, "PipelineRuntime")
-      .def(py::init<std::vector<pp::Action>, int, int, int,
-                    c10::intrusive_ptr<c10d::ProcessGroup>>(),
+      .def(py::init([](std::vector<pp::Action> actions, int stages, int ranks, int mbs,
+                       c10::intrusive_ptr<c10d::ProcessGroup> group,
+                       const std::string& placement) {
+             return std::make_unique<dsparallel::pipeline::Runtime>(
+                 std::move(actions), stages, ranks, mbs, std::move(group),
+                 placement == "v" ? pp::Placement::kV : pp::Placement::kLoop);
+           }),
            py::arg("actions"), py::arg("num_stages"), py::arg("num_ranks"),
-           py::arg("num_microbatches"), py::arg("group"))
+           py::arg("num_microbatches"), py::arg("group"), py::arg("placement") = "loop")
       // Waits on peers: without the GIL (the callbacks take it to compute).
       .def("step", &dsparallel::pipeline::Runtime::step, py::arg("forward"),
            py::arg("backward"), py::arg("weight") = nullptr,
@@ -199,7 +209,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("trace", &dsparallel::pipeline::Runtime::trace);
   m.def("make_schedule", &pp::makeSchedule, py::arg("name"), py::arg("num_stages"),
         py::arg("num_microbatches"), py::arg("stages_per_rank") = 1);
-  m.def("rank_of_stage", &pp::rankOfStage, py::arg("stage"), py::arg("num_ranks"));
+  m.def(
+      "rank_of_stage",
+      [](int stage, int ranks, const std::string& placement) {
+        return pp::rankOfStage(
+            stage, ranks, placement == "v" ? pp::Placement::kV : pp::Placement::kLoop);
+      },
+      py::arg("stage"), py::arg("num_ranks"), py::arg("placement") = "loop");
   // The weight-gradient store of the split backward (tests and opt-in use).
   m.def("weight_grad_begin",
         [] { dsparallel::pipeline::WeightGradStore::get().begin(); });

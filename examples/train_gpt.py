@@ -33,12 +33,22 @@ from dsparallel.models import GPTConfig, build_stage, gpt_loss
 from dsparallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
-# --schedule: one stage per rank each (interleaved 1F1B would need several).
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb1p": ScheduleInterleavedZeroBubble}
+# --schedule: one stage per rank, except zbv and dualpipev: two per rank, in
+# a V (rank r builds stages r and 2 pp - 1 - r of a model cut into 2 pp stages).
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zb1p": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SHAPED = ("zbv", "dualpipev")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,8 +177,8 @@ class Job:
 
     cfg: GPTConfig
     state: dsparallel.ParallelState
-    module: torch.nn.Module  # this stage's layers (wrapped in DDP when dp > 1)
-    stage: PipelineStage
+    module: torch.nn.Module  # this rank's layers (each stage wrapped in DDP when dp > 1)
+    stages: list[PipelineStage]
     schedule: Schedule1F1B  # or another of SCHEDULES
     opt: torch.optim.Optimizer
     micro_batches: int
@@ -198,17 +208,24 @@ def make_job(
             f"--batch-size {batch_size} must divide into {state.dp_size} data-parallel "
             f"replicas x {micro_batches} micro-batches"
         )
-    module = build_stage(
-        cfg, state.pp_rank, state.pp_size, group=state.tp_group, checkpoint=checkpoint
-    )
-    if state.dp_size > 1:
-        # zero_stage=2: the reducer reduce-scatters each bucket into this
-        # rank's gradient shard instead of all-reducing it.
-        module = dsparallel.DistributedDataParallel(
-            module, process_group=state.dp_group, zero_stage=2 if zero_stage == 2 else 0
-        )
-    stage = PipelineStage(module, state.pp_rank, state.pp_size, group=state.pp_group)
-    schedule = SCHEDULES[schedule](stage, micro_batches, loss_fn=gpt_loss(state.tp_group))
+    pp, r = state.pp_size, state.pp_rank
+    indices, num_stages = ([r, 2 * pp - 1 - r], 2 * pp) if schedule in V_SHAPED else ([r], pp)
+    stages = []
+    for index in indices:
+        module = build_stage(cfg, index, num_stages, group=state.tp_group, checkpoint=checkpoint)
+        if state.dp_size > 1:
+            # zero_stage=2: the reducer reduce-scatters each bucket into this
+            # rank's gradient shard instead of all-reducing it.
+            module = dsparallel.DistributedDataParallel(
+                module, process_group=state.dp_group, zero_stage=2 if zero_stage == 2 else 0
+            )
+        stages.append(PipelineStage(module, index, num_stages, group=state.pp_group))
+    loss_fn = gpt_loss(state.tp_group)
+    if schedule in V_SHAPED:
+        schedule = SCHEDULES[schedule](stages, micro_batches, loss_fn=loss_fn)
+    else:
+        schedule = SCHEDULES[schedule](stages[0], micro_batches, loss_fn=loss_fn)
+    module = stages[0].submod if len(stages) == 1 else torch.nn.ModuleList(s.submod for s in stages)
     if zero_stage in (1, 2):
         # AdamW's state (and with stage 2 the gradients) sharded evenly over
         # the data-parallel replicas.
@@ -219,18 +236,20 @@ def make_job(
         opt = torch.optim.AdamW(module.parameters(), lr=lr)
     else:
         raise SystemExit(f"--zero-stage {zero_stage}: 0, 1 or 2")
-    return Job(cfg, state, module, stage, schedule, opt, micro_batches, batch_size)
+    return Job(cfg, state, module, stages, schedule, opt, micro_batches, batch_size)
 
 
 def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
     """One optimizer step on the step's batch; returns the loss (every rank)."""
-    state, stage = job.state, job.stage
+    state = job.state
+    is_first = any(s.is_first for s in job.stages)
+    is_last = any(s.is_last for s in job.stages)
     ids, target = batch(corpus, step, job.batch_size, job.cfg.seq_len)
     per_replica = job.batch_size // state.dp_size
     mine = slice(state.dp_rank * per_replica, (state.dp_rank + 1) * per_replica)
     losses = []
-    inputs = (ids[mine],) if stage.is_first else ()
-    if stage.is_last:
+    inputs = (ids[mine],) if is_first else ()
+    if is_last:
         job.schedule.step(*inputs, target=target[mine], losses=losses)
     else:
         job.schedule.step(*inputs)
@@ -242,7 +261,7 @@ def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
     # The loss lives on the last stage: its mean over the data-parallel
     # replicas reaches every rank through one small all-reduce.
     contribution = torch.zeros(1)
-    if stage.is_last and state.tp_rank == 0:
+    if is_last and state.tp_rank == 0:
         contribution += torch.stack(losses).mean() / state.dp_size
     dist.all_reduce(contribution)
     return contribution.item()
@@ -288,7 +307,8 @@ def main() -> None:
         "--schedule",
         default="1f1b",
         choices=sorted(SCHEDULES),
-        help="pipeline schedule (zb1p: zero-bubble ZB-H1, the backward split in I and W)",
+        help="pipeline schedule (zb1p: zero-bubble ZB-H1, the backward split in I and W; "
+        "zbv: two stages per rank in a V, split backward; dualpipev: DeepSeek's DualPipeV)",
     )
     p.add_argument(
         "--zero-stage",

@@ -83,13 +83,15 @@ void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
 
 Runtime::Runtime(std::vector<dsp::pipeline::Action> actions, int num_stages,
                  int num_ranks, int num_microbatches,
-                 c10::intrusive_ptr<c10d::ProcessGroup> group)
+                 c10::intrusive_ptr<c10d::ProcessGroup> group,
+                 dsp::pipeline::Placement placement)
     : actions_(std::move(actions)),
       num_stages_(num_stages),
       num_ranks_(num_ranks),
       num_microbatches_(num_microbatches),
       my_rank_(group->getRank()),
-      group_(std::move(group)) {
+      group_(std::move(group)),
+      placement_(placement) {
   TORCH_CHECK_VALUE(group_->getSize() == num_ranks_, "dsp pipeline: the schedule needs ",
                     num_ranks_, " ranks, the group has ", group_->getSize());
 }

@@ -51,9 +51,11 @@ class Runtime {
  public:
   // `actions`: this rank's list from a validated schedule of `num_stages`
   // stages over `num_ranks` ranks; `group`: the pipeline's group, whose rank
-  // r runs stages r, r + num_ranks, ...
+  // r runs the stages `placement` gives it (r, r + num_ranks, ... or the V's
+  // r and 2 num_ranks - 1 - r).
   Runtime(std::vector<dsp::pipeline::Action> actions, int num_stages, int num_ranks,
-          int num_microbatches, c10::intrusive_ptr<c10d::ProcessGroup> group);
+          int num_microbatches, c10::intrusive_ptr<c10d::ProcessGroup> group,
+          dsp::pipeline::Placement placement = dsp::pipeline::Placement::kLoop);
 
   // Runs every action once. Rethrows a callback's exception and raises on a
   // stage output whose shape or dtype changes between micro-batches (on both
@@ -72,7 +74,9 @@ class Runtime {
   };
   using Key = std::tuple<bool, int, int>;  // (backward?, stage, micro-batch)
 
-  int rankOf(int stage) const { return stage % num_ranks_; }
+  int rankOf(int stage) const {
+    return dsp::pipeline::rankOfStage(stage, num_ranks_, placement_);
+  }
   bool local(int stage) const { return rankOf(stage) == my_rank_; }
   int tag(int stage, int mb, bool backward, bool header) const;
 
@@ -85,6 +89,7 @@ class Runtime {
   std::vector<dsp::pipeline::Action> actions_;
   int num_stages_, num_ranks_, num_microbatches_, my_rank_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  dsp::pipeline::Placement placement_;
   // Each stage's output shape and dtype, fixed by its first micro-batch.
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> shapes_;
   std::map<Key, Posted> posted_;

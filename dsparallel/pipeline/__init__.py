@@ -11,9 +11,11 @@ import change::
 
 from .runtime import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from .schedule import Action, Schedule, get_schedule
 from .split import split_linear
@@ -25,9 +27,11 @@ __all__ = [
     "PipelineStage",
     "Schedule",
     "Schedule1F1B",
+    "ScheduleDualPipeV",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
     "bubble",
     "bubble_breakdown",
     "gather_trace",

@@ -83,13 +83,17 @@ class _PipelineSchedule:
         last = self.stages.get(self.num_stages - 1)
         if last is not None and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
-        # Each stage's last backward in a step, where a DDP stage syncs.
-        self._last_backward = {a.stage: a.microbatch for a in self.actions if a.kind == "B"}
-        # With the split backward, a DDP stage syncs at its last W instead.
-        self._last_weight = {a.stage: a.microbatch for a in self.actions if a.kind == "W"}
-        self._split_backward = bool(self._last_weight)
+        # Where a DDP stage syncs: its last action that adds gradients, a B
+        # or (split backward) a W; DualPipeV mixes both in one stage.
+        self._sync_at = {a.stage: (a.kind, a.microbatch) for a in self.actions if a.kind in "BW"}
+        self._split_backward = any(a.kind == "W" for a in self.actions)
         self._runtime = _C.PipelineRuntime(
-            self.actions, self.num_stages, self.plan.num_ranks, n_microbatches, self.group
+            self.actions,
+            self.num_stages,
+            self.plan.num_ranks,
+            n_microbatches,
+            self.group,
+            placement=self.plan.placement,
         )
 
     # ------------------------------------------------------------------ step
@@ -130,7 +134,7 @@ class _PipelineSchedule:
             if stage.checkpoint:
                 with replay_rng(slot.rng):
                     slot.output, slot.loss = self._compute(stage, slot)
-            if _is_ddp(stage.submod) and mb == self._last_backward.get(s):
+            if _is_ddp(stage.submod) and self._sync_at.get(s) == ("B", mb):
                 stage.submod.prepare_for_backward([slot.output])
             if stage.is_last:
                 torch.autograd.backward(slot.loss / m)
@@ -140,7 +144,7 @@ class _PipelineSchedule:
 
         def weight(s, mb):
             submod = self.stages[s].submod
-            if _is_ddp(submod) and mb == self._last_weight[s]:
+            if _is_ddp(submod) and self._sync_at.get(s) == ("W", mb):
                 submod.prepare_for_backward([])
                 return [p for p in submod.parameters() if p.requires_grad]
             return []
@@ -211,6 +215,39 @@ class ScheduleInterleavedZeroBubble(_PipelineSchedule):
                 f"ScheduleInterleavedZeroBubble: {len(stages)} stages per rank; only one stage "
                 "per rank (ZB-H1) is generated so far"
             )
+        super().__init__(stages, n_microbatches, loss_fn)
+
+
+class ScheduleZBVZeroBubble(_PipelineSchedule):
+    """ZBV (Qi et al., ICLR 2024, section 6): two stages per rank in a V
+    (rank r holds stages r and 2p - 1 - r; the first and last stage share
+    rank 0), the backward split into I and W. With F, I and W of equal time
+    its only idle time is the p - 1 forwards before the last rank starts, at
+    1F1B's activation memory."""
+
+    _NAME = "zbv"
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
+        stages = list(stages)
+        if len(stages) != 2:
+            raise ValueError(f"ScheduleZBVZeroBubble needs two stages per rank, got {len(stages)}")
+        super().__init__(stages, n_microbatches, loss_fn)
+
+
+class ScheduleDualPipeV(_PipelineSchedule):
+    """DeepSeek's DualPipe folded into a V (deepseek-ai/DualPipe's
+    dualpipev.py; torch's ScheduleDualPipeV): stages r and 2p - 1 - r on rank
+    r, the forward of one micro-batch paired with the backward of another in
+    the steady state (their transfers run under each other's compute: sends
+    and receives are posted without blocking), full backwards in the middle
+    and split ones (I, then W) at the ends. Needs n_microbatches >= 2p."""
+
+    _NAME = "dualpipev"
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
+        stages = list(stages)
+        if len(stages) != 2:
+            raise ValueError(f"ScheduleDualPipeV needs two stages per rank, got {len(stages)}")
         super().__init__(stages, n_microbatches, loss_fn)
 
 

@@ -14,6 +14,9 @@ _NAMES = {
     "interleaved1f1b": "interleaved_1f1b",
     "zb1p": "zb1p",
     "interleavedzerobubble": "zb1p",  # torch's spelling
+    "zbv": "zbv",
+    "zbvzerobubble": "zbv",  # torch's spelling
+    "dualpipev": "dualpipev",
 }
 
 
@@ -22,9 +25,12 @@ def get_schedule(
 ) -> Schedule:
     """The per-rank action lists of a schedule, already validated.
 
-    ``name`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb1p"``
-    (ZB-H1, with I and W actions: the backward split in two). Stage ``s``
-    runs on rank ``s % (num_stages // stages_per_rank)``. ``schedule.ranks[r]``
+    ``name`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb1p"``
+    (ZB-H1, with I and W actions: the backward split in two), ``"zbv"``
+    (two stages per rank in a V, split backward) or ``"dualpipev"``
+    (DeepSeek's DualPipe in a V). Stage ``s`` runs on rank
+    ``s % (num_stages // stages_per_rank)``, or with ``schedule.placement ==
+    "v"`` rank ``r`` holds stages ``r`` and ``num_stages - 1 - r``. ``schedule.ranks[r]``
     lists rank ``r``'s actions (printed like ``2F0``: stage 2, forward,
     micro-batch 0); ``schedule.validate()`` returns the unit-time statistics
     (``bubble``, ``peak_in_flight`` per rank, ``makespan``). Raises ValueError

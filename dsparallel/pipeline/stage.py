@@ -11,7 +11,9 @@ class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``, computed by ``submodule``.
 
     Stage ``s`` runs on rank ``s % group_size`` of ``group`` (default: the
-    world), so with one stage per rank, stage ``s`` is rank ``s``. With
+    world), so with one stage per rank, stage ``s`` is rank ``s``; V-shaped
+    schedules (``ScheduleZBVZeroBubble``) put stages ``r`` and
+    ``2 group_size - 1 - r`` on rank ``r`` instead. With
     ``checkpoint=True`` the stage keeps only its inputs during forward and
     recomputes its activations in backward.
     """
@@ -35,15 +37,15 @@ class PipelineStage:
         self.group_rank = dist.get_rank(self.group)
         if self.group_rank < 0:
             raise ValueError("this rank is not in the pipeline's group")
-        if stage_index % self.group_size != self.group_rank:
+        looped = stage_index % self.group_size
+        v = 2 * self.group_size - 1 - stage_index if num_stages == 2 * self.group_size else None
+        if self.group_rank not in (looped, v):
             raise ValueError(
-                f"stage {stage_index} belongs to group rank {stage_index % self.group_size}, "
-                f"not to this rank ({self.group_rank})"
+                f"stage {stage_index} belongs to group rank {looped}"
+                + (f" (or {v} in a V)" if v is not None and v != looped else "")
+                + f", not to this rank ({self.group_rank})"
             )
         self.device = torch.device(device) if device is not None else None
         self.checkpoint = checkpoint
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
-
-    def global_rank_of(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage % self.group_size)

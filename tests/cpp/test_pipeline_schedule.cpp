@@ -51,6 +51,60 @@ TEST(PipelineSchedule, ZeroBubbleH1MatchesThePaper) {
   EXPECT_EQ(validate(makeSchedule("1f1b", 2, 8), paper).makespan, 27);
 }
 
+// ZBV with F = I = W = 1 slot per stage (a stage is half of a ZB-H1
+// stage): every rank does 6m slots of work and the last rank can start only
+// after the p - 1 forwards ahead of it, so 6m + (p - 1) is the least any
+// schedule can take; ZBV takes exactly that once m >= 2p - 1 (the paper's
+// zero bubble: nothing idles after the ramp-up), holding at most 2p
+// stage-activations on a rank, which is 1F1B's p whole stages.
+TEST(PipelineSchedule, ZeroBubbleVMatchesThePaper) {
+  const Costs unit{1, 2, 1, 1};
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 32; ++m) {
+      const Schedule s = makeSchedule("zbv", 2 * p, m, 2);
+      ASSERT_EQ(s.placement, Placement::kV);
+      const ScheduleStats zb = validate(s, unit);
+      if (m >= 2 * p - 1) {
+        EXPECT_EQ(zb.makespan, 6 * m + (p - 1)) << "zbv p=" << p << " m=" << m;
+      }
+      for (int r = 0; r < p; ++r) {
+        EXPECT_LE(zb.peak_in_flight[r], 2 * p) << "zbv p=" << p << " m=" << m;
+      }
+    }
+  }
+  // The V: rank r holds stages r and 2p - 1 - r, so stages 0 and 2p - 1 share
+  // rank 0 and the middle two the last rank, whose hand-over is local.
+  EXPECT_EQ(rankOfStage(0, 4, Placement::kV), 0);
+  EXPECT_EQ(rankOfStage(7, 4, Placement::kV), 0);
+  EXPECT_EQ(rankOfStage(4, 4, Placement::kV), 3);
+  const Schedule s = makeSchedule("zbv", 8, 8, 2);
+  for (const Action& a : s.ranks[3]) {
+    EXPECT_FALSE(a.type == ActionType::kSendF && a.stage == 3) << "local hand-over sent";
+  }
+  EXPECT_THROW(makeSchedule("zbv", 4, 8, 1), std::invalid_argument);
+}
+
+// DualPipeV in the same units, each overlapped pair F & B run back to back
+// (F&B = F + B: on one CPU there is no second stream to overlap compute
+// with; the pairs overlap transfers). The DualPipe README's bubble,
+// (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages, counts 2(p - 1) slots here;
+// the schedule reaches the 6m + (p - 1) lower bound, as ZBV does, holding
+// 2p + 1 stage-activations (the README's PP + 1) on rank 0.
+TEST(PipelineSchedule, DualPipeVMatchesTheReadme) {
+  const Costs unit{1, 2, 1, 1};
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 2 * p; m <= 40; ++m) {
+      const ScheduleStats s = validate(makeSchedule("dualpipev", 2 * p, m, 2), unit);
+      EXPECT_EQ(s.makespan, 6 * m + (p - 1)) << "dualpipev p=" << p << " m=" << m;
+      EXPECT_LE(s.makespan - 6 * m, (p - 1) * ((1 + 2) + 2 - 3 * 1));
+      EXPECT_EQ(s.peak_in_flight[0], 2 * p + 1) << "dualpipev p=" << p << " m=" << m;
+      for (int r = 0; r < p; ++r) EXPECT_LE(s.peak_in_flight[r], 2 * p + 1);
+    }
+  }
+  EXPECT_THROW(makeSchedule("dualpipev", 8, 7, 2), std::invalid_argument);  // m < 2p
+  EXPECT_THROW(makeSchedule("dualpipev", 4, 8, 1), std::invalid_argument);
+}
+
 TEST(PipelineSchedule, SplitBackwardIsChecked) {
   auto sched = [](std::vector<std::vector<std::string>> ranks, int stages, int m) {
     Schedule s;

@@ -80,8 +80,20 @@ def _run_job(tmp_path, name, *args):
         ("--tensor-parallel", "1", "--pipeline-parallel", "2"),
         ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "zb1p"),
         ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "zb1p"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "zbv"),
+        ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "dualpipev"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "dualpipev"),
     ],
-    ids=["tp2-pp2", "tp2-dp2", "pp2-dp2", "tp2-pp2-zb1p", "pp2-dp2-zb1p"],
+    ids=[
+        "tp2-pp2",
+        "tp2-dp2",
+        "pp2-dp2",
+        "tp2-pp2-zb1p",
+        "pp2-dp2-zb1p",
+        "pp2-dp2-zbv",
+        "tp2-pp2-dualpipev",
+        "pp2-dp2-dualpipev",
+    ],
 )
 def test_gpt_layouts_match_one_process(tmp_path, reference, layout):
     history = _run_job(tmp_path, "run", "--steps", str(STEPS), *layout)

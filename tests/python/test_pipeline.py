@@ -64,6 +64,8 @@ def _pipeline_body(rank, world, name, n_stages, m, checkpoint, steps):
     blocks = _blocks(n_stages)
     per_rank = n_stages // world
     my_stages = [s for s in range(n_stages) if s % world == rank]
+    if name in ("zbv", "dualpipev"):
+        my_stages = [rank, 2 * world - 1 - rank]
     stages = [pp.PipelineStage(blocks[s], s, n_stages, checkpoint=checkpoint) for s in my_stages]
     loss_fn = nn.functional.mse_loss
     if name == "gpipe":
@@ -72,6 +74,10 @@ def _pipeline_body(rank, world, name, n_stages, m, checkpoint, steps):
         sched = pp.Schedule1F1B(stages[0], m, loss_fn=loss_fn)
     elif name == "zb1p":
         sched = pp.ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
+    elif name == "zbv":
+        sched = pp.ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+    elif name == "dualpipev":
+        sched = pp.ScheduleDualPipeV(stages, m, loss_fn=loss_fn)
     else:
         assert per_rank > 1
         sched = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
@@ -105,6 +111,14 @@ CASES = [
     ("zb1p", 2, 2, 8),
     ("zb1p", 4, 4, 4),
     ("zb1p", 4, 4, 8),
+    ("zbv", 2, 4, 2),
+    ("zbv", 2, 4, 4),
+    ("zbv", 2, 4, 8),
+    ("zbv", 4, 8, 8),
+    ("dualpipev", 2, 4, 4),
+    ("dualpipev", 2, 4, 8),
+    ("dualpipev", 4, 8, 8),
+    ("dualpipev", 3, 6, 8),
 ]
 
 
@@ -113,14 +127,53 @@ def test_gradients_equal_unsplit_model(name, world, n_stages, m):
     run_ranks(_pipeline_body, world, name, n_stages, m, False, 1)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb1p"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"])
 def test_checkpointing_gives_the_same_gradients(name):
-    run_ranks(_pipeline_body, 2, name, 4 if name.startswith("inter") else 2, 4, True, 1)
+    two_per_rank = name.startswith("inter") or name in ("zbv", "dualpipev")
+    run_ranks(_pipeline_body, 2, name, 4 if two_per_rank else 2, 4, True, 1)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb1p"])
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 4, 8, 13])
+def test_zbv_order_equals_torchs(p, m):
+    """Our C++ ZBV generator gives torch's ScheduleZBVZeroBubble compute
+    order, rank by rank (torch's padding slots left out)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    me = SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m)
+    plan = pp.get_schedule("zbv", 2 * p, m, stages_per_rank=2)
+    assert plan.placement == "v"
+    for r in range(p):
+        theirs = ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r)
+        theirs = [str(a) for a in theirs if a is not None]
+        ours = [str(a) for a in plan.ranks[r] if a.kind in ("F", "I", "W")]
+        assert ours == theirs, (r, ours, theirs)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [8, 9, 16])
+def test_dualpipev_order_equals_torchs(p, m):
+    """Our C++ DualPipeV generator gives torch's ScheduleDualPipeV compute
+    order, rank by rank (an overlapped pair as its forward, then its backward)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    me = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    plan = pp.get_schedule("dualpipev", 2 * p, m, stages_per_rank=2)
+    for r in range(p):
+        theirs = []
+        for a in ScheduleDualPipeV._calculate_single_rank_operations(me, r):
+            theirs += [str(x) for x in (a.sub_actions or (a,))]
+        ours = [str(a) for a in plan.ranks[r] if a.kind in ("F", "B", "I", "W")]
+        assert ours == theirs, (r, ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "zbv", "dualpipev"])
 def test_two_steps_accumulate(name):
-    run_ranks(_pipeline_body, 2, name, 2, 4, False, 2)
+    run_ranks(_pipeline_body, 2, name, 4 if name in ("zbv", "dualpipev") else 2, 4, False, 2)
 
 
 def test_split_linear_defers_the_weight_gradient():

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <deque>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -174,16 +175,118 @@ Orders zeroBubbleH1(int p, int m) {
   return out;
 }
 
+// ZBV (the zero-bubble paper, section 6; the order of torch's
+// ScheduleZBVZeroBubble): rank r holds chunk 0 = stage r and chunk 1 = stage
+// 2p - 1 - r. Warm-up: 2(p - r) - 1 forwards of chunk 0, then r pairs of
+// (F chunk 1, F chunk 0), then p - r triples F, I, W of chunk 1; steady
+// state alternates F I W of chunk 0 and of chunk 1; the cool-down drains
+// the I's (chunk 0 and 1 in turns, then chunk 0 with its W's) and the rest
+// of the W's. The schedule is planned for max(m, 2p - 1) micro-batches and
+// the extra ones are dropped (fewer than 2p - 1 cannot fill the V). With F
+// = I = W its bubble is zero once m >= 2p, at 1F1B's activation memory (2p
+// chunks in flight on rank 0, each half a 1F1B stage).
+Orders zeroBubbleV(int p, int m) {
+  Orders out(p);
+  const int n = std::max(m, 2 * p - 1);
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    std::vector<Action> o;
+    auto add = [&](ActionType t, int stage, int mb) { o.push_back({t, stage, mb}); };
+    for (int i = 0; i < 2 * (p - r) - 1; ++i) add(ActionType::kForward, c0, f0++);
+    for (int i = 0; i < r; ++i) {
+      add(ActionType::kForward, c1, f1++);
+      add(ActionType::kForward, c0, f0++);
+    }
+    for (int i = 0; i < p - r; ++i) {
+      add(ActionType::kForward, c1, f1++);
+      add(ActionType::kInput, c1, b1);
+      add(ActionType::kWeight, c1, b1++);
+    }
+    while (f1 < f0 || f0 < n) {
+      if (f0 < n) add(ActionType::kForward, c0, f0++);
+      add(ActionType::kInput, c0, b0);
+      add(ActionType::kWeight, c0, b0++);
+      add(ActionType::kForward, c1, f1++);
+      add(ActionType::kInput, c1, b1);
+      add(ActionType::kWeight, c1, b1++);
+    }
+    int w0 = b0, w1 = b1;
+    for (int i = 0; i < r; ++i) {
+      add(ActionType::kInput, c0, b0++);
+      add(ActionType::kInput, c1, b1++);
+    }
+    for (int i = 0; i < p - r; ++i) {
+      add(ActionType::kInput, c0, b0++);
+      add(ActionType::kWeight, c0, w0++);
+    }
+    while (w1 < b1) add(ActionType::kWeight, c1, w1++);
+    while (w0 < b0) add(ActionType::kWeight, c0, w0++);
+    for (const Action& a : o)
+      if (a.microbatch < m) out[r].push_back(a);
+  }
+  return out;
+}
+
+// DualPipeV (DeepSeek's DualPipe folded into a V; the order of
+// deepseek-ai/DualPipe's dualpipev.py and of torch's ScheduleDualPipeV):
+// rank r holds chunk 0 = stage r and chunk 1 = stage 2p - 1 - r. Phases:
+// 2(p - r - 1) F0; r + 1 (F0, F1); p - r - 1 (I1, W, F1); m - 2p + r + 1
+// (F0 & B1, F1 & B0), the pairs DualPipe overlaps; p - r - 1 (B1, F1 & B0);
+// r + 1 (B1, B0), split into I from the middle on; p - r - 1 (W, B0 or
+// I0); r + 1 W. W's drain a FIFO of the I's. An overlapped pair is written
+// as its forward then its backward: the runtime posts both transfers
+// without blocking, so each one's transfer proceeds under the other's
+// compute. Needs m >= 2p.
+Orders dualPipeV(int p, int m) {
+  Orders out(p);
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;
+    std::map<int, int> nextF, nextB;  // per stage: the next micro-batch
+    std::deque<Action> weights;       // W's owed, oldest first
+    auto& o = out[r];
+    auto F = [&](int st) { o.push_back({ActionType::kForward, st, nextF[st]++}); };
+    auto B = [&](int st, bool split) {
+      const int mb = nextB[st]++;
+      o.push_back({split ? ActionType::kInput : ActionType::kBackward, st, mb});
+      if (split) weights.push_back({ActionType::kWeight, st, mb});
+    };
+    auto W = [&] {
+      if (weights.empty()) return;
+      o.push_back(weights.front());
+      weights.pop_front();
+    };
+    for (int i = 0; i < 2 * (p - r - 1); ++i) F(c0);
+    for (int i = 0; i < r + 1; ++i) F(c0), F(c1);
+    for (int i = 0; i < p - r - 1; ++i) B(c1, true), W(), F(c1);
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) F(c0), B(c1, false), F(c1), B(c0, false);
+    for (int i = 0; i < p - r - 1; ++i) B(c1, false), F(c1), B(c0, false);
+    bool split = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+      B(c1, split);
+      if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+      B(c0, split);
+    }
+    for (int i = 0; i < p - r - 1; ++i) W(), B(c0, split);
+    for (int i = 0; i < r + 1; ++i) W();
+  }
+  return out;
+}
+
 // Adds the transfers: a receive right before the compute that needs it, a
 // send right after the compute that produced it.
-Schedule withTransfers(const Orders& orders, int stages, int m) {
+Schedule withTransfers(const Orders& orders, int stages, int m,
+                       Placement placement = Placement::kLoop) {
   Schedule s;
+  s.placement = placement;
   s.num_stages = stages;
   s.num_ranks = static_cast<int>(orders.size());
   s.num_microbatches = m;
   s.ranks.resize(orders.size());
   auto remote = [&](int a, int b) {
-    return rankOfStage(a, s.num_ranks) != rankOfStage(b, s.num_ranks);
+    return rankOfStage(a, s.num_ranks, placement) !=
+           rankOfStage(b, s.num_ranks, placement);
   };
   for (size_t r = 0; r < orders.size(); ++r) {
     auto& out = s.ranks[r];
@@ -232,7 +335,10 @@ Action parseAction(const std::string& text) {
   return {it->second, std::stoi(text.substr(0, i)), std::stoi(text.substr(j))};
 }
 
-int rankOfStage(int stage, int num_ranks) { return stage % num_ranks; }
+int rankOfStage(int stage, int num_ranks, Placement placement) {
+  if (placement == Placement::kV && stage >= num_ranks) return 2 * num_ranks - 1 - stage;
+  return stage % num_ranks;
+}
 
 Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatches,
                       int stages_per_rank) {
@@ -266,7 +372,24 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
     }
     return withTransfers(interleaved(p, stages_per_rank, m), num_stages, m);
   }
-  fail("unknown pipeline schedule '" + name + "' (gpipe, 1f1b, interleaved_1f1b, zb1p)");
+  if (name == "zbv") {
+    if (stages_per_rank != 2) {
+      fail("zbv runs two stages per rank (in a V); got " + num(stages_per_rank));
+    }
+    return withTransfers(zeroBubbleV(p, m), num_stages, m, Placement::kV);
+  }
+  if (name == "dualpipev") {
+    if (stages_per_rank != 2) {
+      fail("dualpipev runs two stages per rank (in a V); got " + num(stages_per_rank));
+    }
+    if (m < 2 * p) {
+      fail("dualpipev needs at least twice as many micro-batches (" + num(m) +
+           ") as ranks (" + num(p) + ")");
+    }
+    return withTransfers(dualPipeV(p, m), num_stages, m, Placement::kV);
+  }
+  fail("unknown pipeline schedule '" + name +
+       "' (gpipe, 1f1b, interleaved_1f1b, zb1p, zbv, dualpipev)");
 }
 
 // ---------------------------------------------------------------------------
@@ -280,6 +403,11 @@ ScheduleStats validate(const Schedule& s, const Costs& costs) {
   }
   auto key = [&](int stage, int mb) { return static_cast<size_t>(stage) * M + mb; };
   const size_t N = static_cast<size_t>(S) * M;
+  if (s.placement == Placement::kV && S != 2 * R) {
+    fail("a V placement needs two stages per rank: " + num(S) + " stages on " + num(R) +
+         " ranks");
+  }
+  auto rankOf = [&](int stage) { return rankOfStage(stage, R, s.placement); };
   // Each kind of action at most once per (stage, micro-batch), on its owner.
   std::map<ActionType, std::vector<int>> count;
   for (auto t : {ActionType::kForward, ActionType::kBackward, ActionType::kSendF,
@@ -295,9 +423,9 @@ ScheduleStats validate(const Schedule& s, const Costs& costs) {
         fail("rank " + num(r) + ": action " + toString(a) + " is out of range (" +
              num(S) + " stages, " + num(M) + " micro-batches)");
       }
-      if (rankOfStage(a.stage, R) != r) {
+      if (rankOf(a.stage) != r) {
         fail("rank " + num(r) + ": action " + toString(a) + " is for stage " +
-             num(a.stage) + ", which lives on rank " + num(rankOfStage(a.stage, R)));
+             num(a.stage) + ", which lives on rank " + num(rankOf(a.stage)));
       }
       if (++count[a.type][key(a.stage, a.microbatch)] > 1) {
         fail("rank " + num(r) + ": action " + toString(a) + " appears twice");
@@ -329,7 +457,7 @@ ScheduleStats validate(const Schedule& s, const Costs& costs) {
              " I, " + num(w) + " W");
       }
       // A transfer exists exactly when neighbouring stages sit on different ranks.
-      const bool nextRemote = st + 1 < S && rankOfStage(st, R) != rankOfStage(st + 1, R);
+      const bool nextRemote = st + 1 < S && rankOf(st) != rankOf(st + 1);
       const std::pair<Action, Action> pairs[] = {
           {{ActionType::kSendF, st, mb}, {ActionType::kRecvF, st + 1, mb}},
           {{ActionType::kSendB, st + 1, mb}, {ActionType::kRecvB, st, mb}}};
@@ -358,7 +486,7 @@ ScheduleStats validate(const Schedule& s, const Costs& costs) {
   stats.peak_in_flight.assign(R, 0);
   stats.start_slots.resize(R);
   for (int r = 0; r < R; ++r) stats.start_slots[r].assign(s.ranks[r].size(), -1);
-  auto local = [&](int a, int b) { return rankOfStage(a, R) == rankOfStage(b, R); };
+  auto local = [&](int a, int b) { return rankOf(a) == rankOf(b); };
   for (;;) {
     bool progressed = false, finished = true;
     for (int r = 0; r < R; ++r) {

@@ -7,8 +7,10 @@
 // a stage's output activation to the next stage, SEND_B/RECV_B carry the gradient back).
 // Stage s lives on rank s % ranks ("looped" placement, as Megatron and
 // torch.distributed.pipelining do for interleaved schedules), so with one stage per rank,
-// stage s is rank s. Transfers between stages on the same rank are local and get no
-// action.
+// stage s is rank s; V-shaped schedules (ZBV) put two stages per rank in a V instead:
+// rank r holds stages r and 2 * ranks - 1 - r, so the first and last stage share rank 0
+// and the middle two the last rank. Transfers between stages on the same rank are
+// local and get no action.
 //
 // Execution model checked by validate(): a send never blocks (the runtime
 // posts it asynchronously); a receive blocks until its matching send has
@@ -48,19 +50,24 @@ struct Action {
 std::string toString(const Action& a);
 Action parseAction(const std::string& text);  // throws std::invalid_argument
 
+enum class Placement { kLoop, kV };
+
 struct Schedule {
+  Placement placement = Placement::kLoop;
   int num_stages = 0;
   int num_ranks = 0;
   int num_microbatches = 0;
   std::vector<std::vector<Action>> ranks;  // per rank, in execution order
 };
 
-int rankOfStage(int stage, int num_ranks);
+int rankOfStage(int stage, int num_ranks, Placement placement = Placement::kLoop);
 
-// Names: "gpipe", "1f1b", "interleaved_1f1b", "zb1p". num_stages must be a
-// multiple of stages_per_rank; GPipe, 1F1B and ZB-H1 ("zb1p", the
+// Names: "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv". num_stages must
+// be a multiple of stages_per_rank; GPipe, 1F1B and ZB-H1 ("zb1p", the
 // zero-bubble paper's 1F1B with split backward) take one stage per rank;
-// interleaved 1F1B needs the micro-batches to be a multiple of the ranks.
+// interleaved 1F1B needs the micro-batches to be a multiple of the ranks;
+// ZBV (the paper's V-shaped zero-bubble schedule) takes two stages per rank,
+// placed in a V.
 // Throws std::invalid_argument naming the numbers otherwise.
 Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatches,
                       int stages_per_rank = 1);
