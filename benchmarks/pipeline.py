@@ -3,9 +3,11 @@ against torch.distributed.pipelining on the same model and backend, in one run.
 
     python benchmarks/pipeline.py [--micro-batches 8] [--steps 20] [--timeline t.png]
 
-Two ranks, one stage each (an MLP of 4 blocks split in two). For GPipe,
-1F1B and zero-bubble ZB-H1 (torch's ScheduleInterleavedZeroBubble with one
-stage per rank, ours "zb1p") under both libraries it reports the median step
+Two ranks (an MLP of 4 blocks: two stages of two blocks, or for the
+V-shaped schedules four stages of one block, rank r holding stages r and
+3 - r). For GPipe, 1F1B, zero-bubble ZB-H1 (torch's
+ScheduleInterleavedZeroBubble with one stage per rank, ours "zb1p"), ZBV
+and DualPipeV under both libraries it reports the median step
 time (slowest rank; the six configurations timed in interleaved rounds),
 the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
 span); the median over the timed steps, with its range) next to the planned
@@ -33,7 +35,10 @@ SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "zb1p": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def _mean_costs(entries) -> tuple[int, int, int, int]:
@@ -72,20 +77,33 @@ def _worker(rank, world, args):
     configs = {}
     for lib in ("torch", "dsparallel"):
         for name in SCHEDULES:
-            module = _stage_module(rank, width, args.blocks_per_stage)
+            v = name in V_SHAPED
+            n_stages = 2 * world if v else world
+            indices = [rank, 2 * world - 1 - rank] if v else [rank]
+            blocks = args.blocks_per_stage // 2 if v else args.blocks_per_stage
+            modules = [_stage_module(i, width, blocks) for i in indices]
             if lib == "torch":
-                stage = tpp.PipelineStage(module, rank, world, torch.device("cpu"))
+                stages = [
+                    tpp.PipelineStage(mod, i, n_stages, torch.device("cpu"))
+                    for mod, i in zip(modules, indices)
+                ]
                 cls = getattr(tpp, SCHEDULES[name])
             else:
-                stage = pp.PipelineStage(module, rank, world)
+                stages = [pp.PipelineStage(mod, i, n_stages) for mod, i in zip(modules, indices)]
                 cls = getattr(pp, SCHEDULES[name])
-            sched = cls([stage] if name == "zb1p" and lib == "torch" else stage, m, loss_fn=loss_fn)
+            one = name in ("gpipe", "1f1b") or (name == "zb1p" and lib == "dsparallel")
+            sched = cls(stages[0] if one else stages, m, loss_fn=loss_fn)
             traces_of = []  # ours: this rank's measured trace of every step
 
-            def step(sched=sched, module=module, traces_of=traces_of, lib=lib):
-                module.zero_grad(set_to_none=True)
-                if rank == 0:
+            def step(sched=sched, modules=modules, traces_of=traces_of, lib=lib, v=v):
+                for module in modules:
+                    module.zero_grad(set_to_none=True)
+                if rank == 0 and v:  # the first and the last stage
+                    sched.step(x, target=y, losses=[])
+                elif rank == 0:
                     sched.step(x)
+                elif v:
+                    sched.step()
                 else:
                     sched.step(target=y, losses=[])
                 if lib == "dsparallel":
@@ -122,7 +140,9 @@ def _worker(rank, world, args):
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
             row["breakdown"] = pp.bubble_breakdown(steps[median_step])
             costs = _mean_costs([e for t in steps for rank_trace in t for e in rank_trace])
-            plan = pp.get_schedule(name, world, m).validate(costs=costs)
+            v = name in V_SHAPED
+            plan = pp.get_schedule(name, 2 * world if v else world, m, 2 if v else 1)
+            plan = plan.validate(costs=costs)
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
             traces[name] = steps[median_step]  # the step of median bubble
@@ -130,7 +150,8 @@ def _worker(rank, world, args):
     if rank == 0 and args.timeline:
         pp.plot_schedule(traces["1f1b"], args.timeline)
         root, ext = os.path.splitext(args.timeline)
-        pp.plot_schedule(traces["zb1p"], f"{root}_zb1p{ext}")
+        for name in ("zb1p", "zbv", "dualpipev"):
+            pp.plot_schedule(traces[name], f"{root}_{name}{ext}")
     dist.destroy_process_group()
     return rows
 
@@ -151,7 +172,7 @@ def main():
         f"{ROUNDS} interleaved rounds; memory: first stage"
     )
     print(
-        f"{'library':>11} {'schedule':>8} {'step ms':>9} {'vs torch':>9} "
+        f"{'library':>11} {'schedule':>9} {'step ms':>9} {'vs torch':>9} "
         f"{'bubble meas/plan':>17} {'(range)':>13} {'peak saved MB':>14}"
     )
     ref = {r["schedule"]: r["step_s"] for r in rows if r["lib"] == "torch"}
@@ -162,7 +183,7 @@ def main():
             lo, hi = r["bubble_range"]
             spread = f"({lo:.0%}-{hi:.0%})"
         print(
-            f"{r['lib']:>11} {r['schedule']:>8} {r['step_s'] * 1e3:>9.1f} "
+            f"{r['lib']:>11} {r['schedule']:>9} {r['step_s'] * 1e3:>9.1f} "
             f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} {spread:>13} "
             f"{r['peak_saved_bytes'] / 2**20:>14.2f}"
         )
@@ -173,14 +194,18 @@ def main():
             f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
             f"(planned {r['bubble_planned']:.1%})"
         )
-    print(
-        f"our zb1p / our 1f1b step time: {ours['zb1p']['step_s'] / ours['1f1b']['step_s']:.3f} "
-        "measured, "
-        f"{ours['zb1p']['planned_makespan'] / ours['1f1b']['planned_makespan']:.3f} planned "
-        "(from each schedule's measured F, B, I, W)"
-    )
+    for name in ("zb1p", "zbv", "dualpipev"):
+        print(
+            f"our {name} / our 1f1b step time: "
+            f"{ours[name]['step_s'] / ours['1f1b']['step_s']:.3f} measured, "
+            f"{ours[name]['planned_makespan'] / ours['1f1b']['planned_makespan']:.3f} planned "
+            "(from each schedule's measured F, B, I, W)"
+        )
     if args.timeline:
-        print(f"timelines of our 1F1B and zb1p steps (the step of median bubble): {args.timeline}")
+        print(
+            f"timelines of our 1F1B, zb1p, zbv and dualpipev steps (the step of median bubble): "
+            f"{args.timeline} and its _zb1p, _zbv, _dualpipev siblings"
+        )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --resume ckpt --steps 200
 
 ``dsparallel.init_parallel`` lays the ranks out as (pp, dp, tp). Each rank
-builds only its pipeline stage's layers, split across its tensor-parallel
-group; the stage's data-parallel replicas are wrapped in our DDP; the stages
-run the 1F1B schedule (or --schedule gpipe / zb1p). The corpus is text this
+builds only its pipeline stage's layers (two stages for interleaved_1f1b,
+zbv and dualpipev), split across its tensor-parallel group; the stage's
+data-parallel replicas are wrapped in our DDP; the stages run the 1F1B
+schedule (or --schedule gpipe, interleaved_1f1b, zb1p, zbv, dualpipev). With
+--moe-experts each block's MLP is a mixture of experts, split over
+--expert-parallel ranks of the data-parallel ones. The corpus is text this
 repository already holds (its README and the package's sources), read as
 bytes (a 128-symbol vocabulary), so nothing is downloaded. Rank 0 shows
 progress; at the end it prints a summary and writes a loss curve.
@@ -35,15 +38,18 @@ from dsparallel.pipeline import (
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 
-# --schedule: one stage per rank, except zbv and dualpipev: two per rank, in
-# a V (rank r builds stages r and 2 pp - 1 - r of a model cut into 2 pp stages).
+# --schedule: one stage per rank, except interleaved_1f1b (rank r builds
+# stages r and r + pp of a model cut into 2 pp stages) and zbv and dualpipev
+# (stages r and 2 pp - 1 - r: a V).
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zb1p": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
@@ -209,7 +215,11 @@ def make_job(
             f"replicas x {micro_batches} micro-batches"
         )
     pp, r = state.pp_size, state.pp_rank
-    indices, num_stages = ([r, 2 * pp - 1 - r], 2 * pp) if schedule in V_SHAPED else ([r], pp)
+    indices, num_stages = [r], pp
+    if schedule in V_SHAPED:
+        indices, num_stages = [r, 2 * pp - 1 - r], 2 * pp
+    elif schedule == "interleaved_1f1b":
+        indices, num_stages = [r, r + pp], 2 * pp
     stages = []
     for index in indices:
         module = build_stage(cfg, index, num_stages, group=state.tp_group, checkpoint=checkpoint)
@@ -221,7 +231,7 @@ def make_job(
             )
         stages.append(PipelineStage(module, index, num_stages, group=state.pp_group))
     loss_fn = gpt_loss(state.tp_group)
-    if schedule in V_SHAPED:
+    if len(stages) > 1:
         schedule = SCHEDULES[schedule](stages, micro_batches, loss_fn=loss_fn)
     else:
         schedule = SCHEDULES[schedule](stages[0], micro_batches, loss_fn=loss_fn)

@@ -83,6 +83,7 @@ def _run_job(tmp_path, name, *args):
         ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "zbv"),
         ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "dualpipev"),
         ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "dualpipev"),
+        ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "interleaved_1f1b"),
     ],
     ids=[
         "tp2-pp2",
@@ -93,6 +94,7 @@ def _run_job(tmp_path, name, *args):
         "pp2-dp2-zbv",
         "tp2-pp2-dualpipev",
         "pp2-dp2-dualpipev",
+        "tp2-pp2-interleaved",
     ],
 )
 def test_gpt_layouts_match_one_process(tmp_path, reference, layout):

@@ -330,3 +330,42 @@ def _stage_exception_body(rank, world):
 
 def test_exception_in_one_stage_raises_everywhere():
     run_ranks(_stage_exception_body, 2, pg_timeout_s=3)
+
+
+def _tied_body(rank, world, name):
+    """A weight shared by the first and the last stage, which a V puts on
+    the same rank (as a tied embedding and LM head would be): its gradient
+    is the sum of both uses, counted once each (torch's graph-walking split
+    counted a weight used twice twice, pytorch#180952)."""
+    torch.manual_seed(0)
+    tied = nn.Linear(6, 6)
+    middle = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2)]
+    first = nn.Sequential(tied, nn.Tanh())
+    last = nn.Sequential(tied, nn.Tanh())
+    x, y = _data()
+    ref = last(middle[1](middle[0](first(x))))
+    nn.functional.mse_loss(ref, y).backward()
+    want = [p.grad.clone() for p in tied.parameters()]
+    want_mid = [[p.grad.clone() for p in b.parameters()] for b in middle]
+    for module in (tied, *middle):
+        module.zero_grad(set_to_none=True)
+    modules = {0: first, 1: middle[0], 2: middle[1], 3: last}
+    mine = [rank, 2 * world - 1 - rank]
+    stages = [pp.PipelineStage(modules[s], s, 4) for s in mine]
+    cls = pp.ScheduleZBVZeroBubble if name == "zbv" else pp.ScheduleDualPipeV
+    sched = cls(stages, 4, loss_fn=nn.functional.mse_loss)
+    if rank == 0:
+        sched.step(x, target=y, losses=[])
+        for got, w in zip(tied.parameters(), want):
+            torch.testing.assert_close(got.grad, w, **TOL)
+    else:
+        sched.step()
+        for b, ws in zip(middle, want_mid):
+            for got, w in zip(b.parameters(), ws):
+                torch.testing.assert_close(got.grad, w, **TOL)
+    return True
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_weight_tied_between_first_and_last_stage_is_counted_once(name):
+    run_ranks(_tied_body, 2, name)
