@@ -10,7 +10,8 @@
 //       0's rows from every source first); backward is the reverse;
 //   moe_combine(y, weights, order, send_counts, recv_counts, group) -> out
 //       the reverse all-to-all of the expert outputs, then out[t] =
-//       sum_j weights[t, j] * y[(t, j)] (dropped slots add nothing);
+//       sum_j weights[t, j] * y[(t, j)] as one scatter-add (dropped slots
+//       add nothing);
 //       backward gives the gradients of y and of the weights.
 //
 // Experts are contiguous: global expert e lives on group rank e / L with
@@ -71,7 +72,8 @@ at::Tensor allToAll(const GroupRef& g, const at::Tensor& rows,
                     std::vector<int64_t> out_splits, std::vector<int64_t> in_splits) {
   int64_t n = 0;
   for (auto s : out_splits) n += s;
-  if (g.size == 1) return rows.clone(at::MemoryFormat::Contiguous);
+  // Internal rows only (never an op's input), so a group of one may return them.
+  if (g.size == 1) return rows.contiguous();
   at::Tensor out = at::empty({n, rows.size(1)}, rows.options());
   at::Tensor in = rows.contiguous();
   g.pg->alltoall_base(out, in, out_splits, in_splits)->wait();
@@ -207,6 +209,13 @@ at::Tensor dispatchBackwardKernel(const at::Tensor& grad, const at::Tensor& orde
   return gx.index_add_(0, order.div(top_k, "floor"), back);
 }
 
+// The gate of each kept assignment, in the plan's (expert-sorted) order.
+at::Tensor sortedGates(const at::Tensor& weights, const at::Tensor& order) {
+  return weights.reshape(-1).index_select(0, order).unsqueeze(1);
+}
+
+// Returns the combined tokens and the rows that came back (in the plan's
+// order), which backward needs for the gates' gradient.
 std::tuple<at::Tensor, at::Tensor> combineForwardKernel(const at::Tensor& y,
                                                         const at::Tensor& weights,
                                                         const at::Tensor& order,
@@ -223,14 +232,15 @@ std::tuple<at::Tensor, at::Tensor> combineForwardKernel(const at::Tensor& y,
   TORCH_CHECK(weights.scalar_type() == y.scalar_type(), op, ": weights (",
               weights.scalar_type(), ") and expert outputs (", y.scalar_type(),
               ") must have one dtype");
-  const int64_t tokens = weights.size(0), k = weights.size(1), h = y.size(1);
   at::Tensor back = returnFromExperts(g, y, send_counts, recv_counts);
   TORCH_CHECK(order.numel() == back.size(0), op, ": the plan has ", order.numel(),
               " assignments but ", back.size(0), " rows came back");
-  // Every (token, slot) row; dropped slots stay zero.
-  at::Tensor slots = at::zeros({tokens * k, h}, y.options()).index_copy_(0, order, back);
-  at::Tensor out = at::bmm(weights.view({tokens, 1, k}), slots.view({tokens, k, h}));
-  return {out.view({tokens, h}), slots};
+  // out[t] = sum over t's kept slots of gate * row, as one scatter-add
+  // (dropped slots add nothing).
+  at::Tensor token = order.div(weights.size(1), "floor");
+  at::Tensor out = at::zeros({weights.size(0), y.size(1)}, y.options());
+  out.index_add_(0, token, back * sortedGates(weights, order));
+  return {out, back};
 }
 
 at::Tensor combineKernel(const at::Tensor& y, const at::Tensor& weights,
@@ -241,17 +251,19 @@ at::Tensor combineKernel(const at::Tensor& y, const at::Tensor& weights,
 }
 
 std::tuple<at::Tensor, at::Tensor> combineBackwardKernel(
-    const at::Tensor& grad, const at::Tensor& slots, const at::Tensor& weights,
+    const at::Tensor& grad, const at::Tensor& back, const at::Tensor& weights,
     const at::Tensor& order, const at::Tensor& send_counts, const at::Tensor& recv_counts,
     c10::SymInt num_rows, c10::string_view group_name) {
   constexpr const char* op = "moe_combine_backward";
   const GroupRef g = resolveGroup(group_name, op);
-  const int64_t tokens = weights.size(0), k = weights.size(1), h = grad.size(1);
-  at::Tensor g3 = grad.contiguous().view({tokens, h, 1});
-  at::Tensor gw = at::bmm(slots.view({tokens, k, h}), g3).view({tokens, k});
-  at::Tensor gslots = at::bmm(weights.view({tokens, k, 1}), g3.view({tokens, 1, h}));
-  at::Tensor gy = sendToExperts(g, gslots.view({tokens * k, h}).index_select(0, order),
-                                send_counts, recv_counts);
+  const int64_t k = weights.size(1);
+  // Each kept slot's share of its token's gradient.
+  at::Tensor g_rows = grad.index_select(0, order.div(k, "floor"));
+  at::Tensor gw = at::zeros({weights.numel()}, weights.options())
+                      .index_copy_(0, order, (g_rows * back).sum(1))
+                      .view(weights.sizes());
+  at::Tensor gy = sendToExperts(g, g_rows.mul_(sortedGates(weights, order)), send_counts,
+                                recv_counts);
   TORCH_CHECK(gy.size(0) == num_rows.expect_int(), op, ": ", gy.size(0),
               " gradient rows for ", num_rows, " expert outputs");
   return {gy, gw};
@@ -302,8 +314,8 @@ class CombineFunction : public torch::autograd::Function<CombineFunction> {
     at::AutoDispatchBelowADInplaceOrView below;
     static auto op =
         handle<decltype(combineForwardKernel)>("dsparallel::_moe_combine_forward");
-    auto [out, slots] = op.call(y, weights, order, send_counts, recv_counts, group);
-    ctx->save_for_backward({slots, weights, order, send_counts, recv_counts});
+    auto [out, back] = op.call(y, weights, order, send_counts, recv_counts, group);
+    ctx->save_for_backward({back, weights, order, send_counts, recv_counts});
     ctx->saved_data["rows"] = y.sym_size(0);
     ctx->saved_data["group"] = group;
     return out;
@@ -354,7 +366,7 @@ TORCH_LIBRARY_FRAGMENT(dsparallel, m) {
       "_moe_combine_forward(Tensor y, Tensor weights, Tensor order, Tensor send_counts, "
       "Tensor recv_counts, str group_name) -> (Tensor, Tensor)");
   m.def(
-      "_moe_combine_backward(Tensor grad, Tensor slots, Tensor weights, Tensor order, "
+      "_moe_combine_backward(Tensor grad, Tensor back, Tensor weights, Tensor order, "
       "Tensor send_counts, Tensor recv_counts, SymInt num_rows, str group_name) -> "
       "(Tensor, Tensor)");
 }

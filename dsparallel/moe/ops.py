@@ -41,12 +41,11 @@ def _combine_fake(y, weights, order, send_counts, recv_counts, group_name):
 
 @torch.library.register_fake("dsparallel::_moe_combine_forward")
 def _combine_forward_fake(y, weights, order, send_counts, recv_counts, group_name):
-    t, k = weights.shape
-    return y.new_empty(t, y.shape[1]), y.new_empty(t * k, y.shape[1])
+    return y.new_empty(weights.shape[0], y.shape[1]), y.new_empty(order.shape[0], y.shape[1])
 
 
 @torch.library.register_fake("dsparallel::_moe_combine_backward")
-def _combine_backward_fake(grad, slots, weights, order, send_counts, recv_counts, num_rows, g):
+def _combine_backward_fake(grad, back, weights, order, send_counts, recv_counts, num_rows, g):
     return grad.new_empty(num_rows, grad.shape[1]), weights.new_empty(weights.shape)
 
 

@@ -705,7 +705,7 @@ void ShmComm::allToAll(const void* const* ins, const size_t* send_bytes,
     }
     for (int j = 0; j < size_; ++j) {
       const size_t len = std::min(per, send_bytes[j] - std::min(send_bytes[j], off));
-      if (len) {
+      if (len && j != rank_) {
         std::memcpy(slot(rank_, s) + j * per, static_cast<const char*>(ins[j]) + off,
                     len);
       }
@@ -718,9 +718,12 @@ void ShmComm::allToAll(const void* const* ins, const size_t* send_bytes,
     }
     for (int r = 0; r < size_; ++r) {
       const size_t len = std::min(per, recv_bytes[r] - std::min(recv_bytes[r], off));
-      if (len) {
-        std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s) + rank_ * per, len);
-      }
+      // This rank's own share goes straight from its input to its output
+      // (one copy, not two through the segment); memmove: they may overlap
+      // when the caller passes one buffer for both.
+      const char* from = r == rank_ ? static_cast<const char*>(ins[rank_]) + off
+                                    : slot(r, s) + rank_ * per;
+      if (len) std::memmove(static_cast<char*>(outs[r]) + off, from, len);
     }
   }
 }
