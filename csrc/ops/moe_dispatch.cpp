@@ -5,9 +5,12 @@
 //       counting-sorts the (token, slot) assignments by expert (index -1 =
 //       dropped) and exchanges the per-expert counts with one all-to-all;
 //   moe_dispatch(x, order, send_counts, recv_counts, top_k, group) -> rows
-//       gathers each assignment's token row, moves them with one uneven
-//       all-to-all and regroups the received rows expert-major (local expert
-//       0's rows from every source first); backward is the reverse;
+//       gathers each assignment's token row and moves them with one uneven
+//       all-to-all; the rows arrive as they were sent: by source rank, and
+//       within a source by local expert (recv_counts[s, e] rows each). The
+//       experts run on those chunks where they lie: regrouping them expert-
+//       major (as Megatron does) would cost a copy of every row each way, in
+//       forward and in backward; backward is the reverse all-to-all;
 //   moe_combine(y, weights, order, send_counts, recv_counts, group) -> out
 //       the reverse all-to-all of the expert outputs, then out[t] =
 //       sum_j weights[t, j] * y[(t, j)] as one scatter-add (dropped slots
@@ -46,28 +49,6 @@ std::vector<int64_t> rowSums(const at::Tensor& counts) {
   return out;
 }
 
-// The receive buffer holds, per source s, its rows for local expert 0, 1, ...
-// Returns the rows in expert-major order (for e, for s), or an undefined
-// tensor when the two orders coincide.
-at::Tensor expertMajor(const at::Tensor& recv_counts, const at::Device& device) {
-  at::Tensor c = recv_counts.to(at::kLong).contiguous();
-  const int64_t sources = c.size(0), experts = c.size(1);
-  if (sources == 1 || experts == 1) return at::Tensor();
-  const int64_t* p = c.data_ptr<int64_t>();
-  std::vector<int64_t> start(sources * experts);
-  int64_t total = 0;
-  for (int64_t i = 0; i < sources * experts; ++i) {
-    start[i] = total;
-    total += p[i];
-  }
-  at::Tensor perm = at::empty({total}, at::kLong);
-  int64_t* q = perm.data_ptr<int64_t>();
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t s = 0; s < sources; ++s)
-      for (int64_t j = 0; j < p[s * experts + e]; ++j) *q++ = start[s * experts + e] + j;
-  return perm.to(device);
-}
-
 at::Tensor allToAll(const GroupRef& g, const at::Tensor& rows,
                     std::vector<int64_t> out_splits, std::vector<int64_t> in_splits) {
   int64_t n = 0;
@@ -90,22 +71,17 @@ void checkPlan(const GroupRef& g, const at::Tensor& send_counts,
   }
 }
 
-// Token rows in assignment order -> expert-major rows on their experts' ranks.
+// Token rows in assignment order -> the experts' ranks (by source, then expert).
 at::Tensor sendToExperts(const GroupRef& g, const at::Tensor& rows,
                          const at::Tensor& send_counts, const at::Tensor& recv_counts) {
-  at::Tensor out = allToAll(g, rows, rowSums(recv_counts), rowSums(send_counts));
-  at::Tensor perm = expertMajor(recv_counts, out.device());
-  return perm.defined() ? out.index_select(0, perm) : out;
+  return allToAll(g, rows, rowSums(recv_counts), rowSums(send_counts));
 }
 
-// The inverse: expert-major rows -> rows in this rank's assignment order.
+// The inverse: the experts' rows -> rows in this rank's assignment order.
 at::Tensor returnFromExperts(const GroupRef& g, const at::Tensor& rows,
                              const at::Tensor& send_counts,
                              const at::Tensor& recv_counts) {
-  at::Tensor perm = expertMajor(recv_counts, rows.device());
-  at::Tensor bySource = rows;
-  if (perm.defined()) bySource = at::empty_like(rows).index_copy_(0, perm, rows);
-  return allToAll(g, bySource, rowSums(send_counts), rowSums(recv_counts));
+  return allToAll(g, rows, rowSums(send_counts), rowSums(recv_counts));
 }
 
 // ---------------------------------------------------------------- kernels

@@ -5,9 +5,10 @@ expert-parallel group, shared experts computed locally.
 
 Tokens reach their experts through ``moe_dispatch`` and come back through
 ``moe_combine`` (C++ ops over one uneven all-to-all each way). Expert ``e``
-lives on group rank ``e // (num_experts / group size)``; a rank runs its
-experts one after another over contiguous row blocks (a loop over its few
-experts, never over tokens).
+lives on group rank ``e // (num_experts / group size)``; the rows arrive in
+blocks, by source rank and then by local expert, and a rank runs each block
+through its expert where it lies (a loop over sources x its few experts,
+never over tokens; no regrouping copy).
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ class GroupedExperts(nn.Module):
                 self.w1[i].normal_(0.0, 0.02, generator=g)
                 self.w2[i].normal_(0.0, 0.02, generator=g)
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        out = [F.gelu(part @ self.w1[i]) @ self.w2[i] for i, part in enumerate(rows.split(counts))]
+    def forward(self, rows: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """``rows`` in blocks of ``chunks`` [(local expert, rows), ...]; every
+        expert appears at least once (empty blocks too), so each gets a
+        gradient."""
+        parts = rows.split([n for _, n in chunks])
+        out = [F.gelu(part @ self.w1[e]) @ self.w2[e] for (e, _), part in zip(chunks, parts)]
         return torch.cat(out) if out else rows
 
 
@@ -169,7 +174,7 @@ class MoE(nn.Module):
         gates = gates.to(x.dtype)
         if self.group is not None:
             plan = Plan(idx, self.num_experts, self.group)
-            y = self.experts(dispatch(x2, plan), plan.tokens_per_local_expert())
+            y = self.experts(dispatch(x2, plan), plan.chunks())
             out = combine(y, gates, plan)
         else:
             out = self._local(x2, idx, gates)
@@ -186,7 +191,7 @@ class MoE(nn.Module):
         kept = (flat >= 0).nonzero().squeeze(1)
         order = kept[flat[kept].argsort(stable=True)]
         counts = torch.bincount(flat[kept], minlength=self.num_experts).tolist()
-        y = self.experts(x.index_select(0, order // self.top_k), counts)
+        y = self.experts(x.index_select(0, order // self.top_k), list(enumerate(counts)))
         slots = x.new_zeros(flat.numel(), x.shape[1]).index_copy(0, order, y)
         return torch.bmm(gates.unsqueeze(1), slots.view(-1, self.top_k, x.shape[1])).squeeze(1)
 

@@ -61,13 +61,15 @@ class Plan:
             expert_idx, num_experts, self.group_name
         )
 
-    def tokens_per_local_expert(self) -> list[int]:
-        """Rows each of this rank's experts receives (from every source)."""
-        return self.recv_counts.sum(0).tolist()
+    def chunks(self) -> list[tuple[int, int]]:
+        """(local expert, rows) of each block of the dispatched rows, in
+        order: by source rank, then by local expert."""
+        return [(e, n) for row in self.recv_counts.tolist() for e, n in enumerate(row)]
 
 
 def dispatch(x: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Each assignment's token row on its expert's rank, expert-major."""
+    """Each assignment's token row on its expert's rank, in ``plan.chunks()``
+    blocks (by source rank, then local expert)."""
     return _ops.moe_dispatch(
         x, plan.order, plan.send_counts, plan.recv_counts, plan.top_k, plan.group_name
     )

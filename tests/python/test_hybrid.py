@@ -160,8 +160,8 @@ def test_gpt_resume_equals_uninterrupted_run(tmp_path):
         check=False,
     )
     assert refused.returncode != 0
-    assert "saved with layout {'tp': 2, 'pp': 2, 'dp': 1}" in refused.stderr
-    needed = "Resharding works for the data-parallel size with --zero-stage 1 or 2 only"
+    assert "saved with layout {'tp': 2, 'pp': 2, 'dp': 1, 'ep': 1}" in refused.stderr
+    needed = "Resharding works for the data-parallel size with --zero-stage 1 or 2 (and no"
     assert needed in refused.stderr
 
 

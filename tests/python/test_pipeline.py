@@ -369,3 +369,19 @@ def _tied_body(rank, world, name):
 @pytest.mark.parametrize("name", ["zbv", "dualpipev"])
 def test_weight_tied_between_first_and_last_stage_is_counted_once(name):
     run_ranks(_tied_body, 2, name)
+
+
+def test_v_schedules_refuse_bad_shapes():
+    with pytest.raises(
+        ValueError, match=r"at least twice as many micro-batches \(3\) as ranks \(2\)"
+    ):
+        pp.get_schedule("dualpipev", 4, 3, stages_per_rank=2)
+    with pytest.raises(ValueError, match="5 stages cannot be split into 2 stages per rank"):
+        pp.get_schedule("zbv", 5, 8, stages_per_rank=2)
+    for name in ("zbv", "dualpipev"):
+        with pytest.raises(ValueError, match="two stages per rank"):
+            pp.get_schedule(name, 4, 8, stages_per_rank=1)
+    with pytest.raises(ValueError, match="needs two stages per rank, got 1"):
+        pp.ScheduleZBVZeroBubble([object()], 4)
+    with pytest.raises(ValueError, match="needs two stages per rank, got 3"):
+        pp.ScheduleDualPipeV([object()] * 3, 8)
