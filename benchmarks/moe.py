@@ -229,7 +229,7 @@ def _plot(path, runs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4], help="none: the plot only")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json")
@@ -239,11 +239,12 @@ def main():
     rows = []
     for world in args.worlds:
         rows += run_ranks(_worker, world, args.steps, args.warmup)
-    print(
-        "MoE on CPU (1 thread per rank), median of "
-        f"{ROUNDS} interleaved rounds of {max(1, args.steps // ROUNDS)}-step medians"
-    )
-    print(_format(rows))
+    if rows:
+        print(
+            "MoE on CPU (1 thread per rank), median of "
+            f"{ROUNDS} interleaved rounds of {max(1, args.steps // ROUNDS)}-step medians"
+        )
+        print(_format(rows))
     result = {"rows": rows}
     if args.plot:
         runs = {}
