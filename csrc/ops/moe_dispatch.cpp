@@ -123,9 +123,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> planKernel(const at::Tensor& expe
   if (bad != -2)
     for (int64_t r = 0; r < g.size; ++r) cnt[r * (local + 1) + local] = 1;
 
-  at::Tensor recv = send;
+  // A group of one receives what it sends (a copy: the op's two count
+  // outputs must not alias).
+  at::Tensor recv = g.size > 1 ? at::empty_like(send) : send.clone();
   if (g.size > 1) {
-    recv = at::empty_like(send);
     std::vector<int64_t> equal;  // empty splits: the same share to every rank
     g.pg->alltoall_base(recv, send, equal, equal)->wait();
   }

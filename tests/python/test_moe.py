@@ -166,7 +166,9 @@ def _opcheck_body(rank, world):
     g = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, 4, (6, 2), generator=g)
     idx[0, 1] = -1  # a dropped assignment
-    torch.library.opcheck(ops.moe_plan, (idx, 4, name), test_utils=("test_schema",))
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank makes each
+    for group_name in (name, singles[rank].group_name):
+        torch.library.opcheck(ops.moe_plan, (idx, 4, group_name))
     plan = Plan(idx, 4, dist.group.WORLD)
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     args = (plan.order, plan.send_counts, plan.recv_counts)
