@@ -218,37 +218,34 @@ class ScheduleInterleavedZeroBubble(_PipelineSchedule):
         super().__init__(stages, n_microbatches, loss_fn)
 
 
-class ScheduleZBVZeroBubble(_PipelineSchedule):
-    """ZBV (Qi et al., ICLR 2024, section 6): two stages per rank in a V
-    (rank r holds stages r and 2p - 1 - r; the first and last stage share
-    rank 0), the backward split into I and W. With F, I and W of equal time
-    its only idle time is the p - 1 forwards before the last rank starts, at
+class _VSchedule(_PipelineSchedule):
+    """Two stages per rank in a V: rank r holds stages r and 2p - 1 - r."""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
+        stages = list(stages)
+        if len(stages) != 2:
+            raise ValueError(f"{type(self).__name__} needs two stages per rank, got {len(stages)}")
+        super().__init__(stages, n_microbatches, loss_fn)
+
+
+class ScheduleZBVZeroBubble(_VSchedule):
+    """ZBV (Qi et al., ICLR 2024, section 6): the backward split into I and
+    W, the first and last stage on rank 0. With F, I and W of equal time its
+    only idle time is the p - 1 forwards before the last rank starts, at
     1F1B's activation memory."""
 
     _NAME = "zbv"
 
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
-        stages = list(stages)
-        if len(stages) != 2:
-            raise ValueError(f"ScheduleZBVZeroBubble needs two stages per rank, got {len(stages)}")
-        super().__init__(stages, n_microbatches, loss_fn)
 
-
-class ScheduleDualPipeV(_PipelineSchedule):
+class ScheduleDualPipeV(_VSchedule):
     """DeepSeek's DualPipe folded into a V (deepseek-ai/DualPipe's
-    dualpipev.py; torch's ScheduleDualPipeV): stages r and 2p - 1 - r on rank
-    r, the forward of one micro-batch paired with the backward of another in
-    the steady state (their transfers run under each other's compute: sends
-    and receives are posted without blocking), full backwards in the middle
-    and split ones (I, then W) at the ends. Needs n_microbatches >= 2p."""
+    dualpipev.py; torch's ScheduleDualPipeV): the forward of one micro-batch
+    paired with the backward of another in the steady state (their transfers
+    run under each other's compute: sends and receives are posted without
+    blocking), full backwards in the middle and split ones (I, then W) at the
+    ends. Needs n_microbatches >= 2p."""
 
     _NAME = "dualpipev"
-
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None):
-        stages = list(stages)
-        if len(stages) != 2:
-            raise ValueError(f"ScheduleDualPipeV needs two stages per rank, got {len(stages)}")
-        super().__init__(stages, n_microbatches, loss_fn)
 
 
 class ScheduleInterleaved1F1B(_PipelineSchedule):

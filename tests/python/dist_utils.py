@@ -128,3 +128,15 @@ def run_ranks(
     if errors:
         raise RankFailure("\n".join(errors))
     return [got[r][1] if r in got else None for r in range(world_size)]
+
+
+def expect_raises(kind, fn, *needles):
+    """fn() raises ``kind`` whose message contains every one of ``needles``
+    (for bad-input checks run on every rank)."""
+    try:
+        fn()
+    except kind as e:
+        for n in needles:
+            assert n in str(e), (n, str(e))
+        return
+    raise AssertionError(f"expected {kind.__name__}, nothing was raised")
