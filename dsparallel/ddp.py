@@ -238,7 +238,6 @@ class DistributedDataParallel(nn.Module):
         gradient shards match; ZeroRedundancyOptimizer finds them on the
         parameters and steps them."""
         params = [p for _, p in named]
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
         buffers = []
         for members, offsets, padded, shard in zip(
             reducer.bucket_indices(),
@@ -247,8 +246,7 @@ class DistributedDataParallel(nn.Module):
             reducer.grad_shards(),
         ):
             ps = [params[i] for i in members]
-            buffer = ShardedBuffer(ps, offsets, padded, rank, world, shard, reducer, members)
-            buffer.group = group
+            buffer = ShardedBuffer(ps, offsets, padded, group, shard, reducer, members)
             for p in ps:
                 p._dsp_zero_buffer = buffer
             buffers.append(buffer)

@@ -7,8 +7,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import _C  # noqa: F401  (registers the ops)
+
+
+def group_size(group_name: str) -> int:
+    """The size of the process group an op names (for fake kernels)."""
+    return _resolve_process_group(group_name).size()
 
 
 @torch.library.register_fake("dsparallel::fused_all_reduce")

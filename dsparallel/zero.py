@@ -37,32 +37,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .parallel_state import expert_dp_group_of
+from .parallel_state import expert_dp_group_of, get_parallel_state
 
 _FULL_PRECISION = (torch.float32, torch.float64)
 # torch 2.13 renamed all_gather_into_tensor (still an alias there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _expert_parallel_group():
-    from .parallel_state import get_parallel_state
-
-    return get_parallel_state().ep_group
-
-
 class ShardedBuffer:
     """Parameters laid end to end in one flat buffer (``padded_numel``
     elements, a multiple of the group size) and this rank's slice
-    ``[lo, hi)`` of it. For stage 2 the DDP's reducer supplies the gradient
-    shard (``grad_shard``, the slice's averaged gradient)."""
+    ``[lo, hi)`` of it, spread over ``group`` (the optimizer's or the DDP's;
+    for expert parameters, the ranks holding the same experts). For stage 2
+    the DDP's reducer supplies the gradient shard (``grad_shard``, the
+    slice's averaged gradient)."""
 
     def __init__(
         self,
         params: list[torch.Tensor],
         offsets: list[int],
         padded_numel: int,
-        rank: int,
-        world: int,
+        group,
         grad_shard: torch.Tensor | None = None,
         reducer=None,
         members: list[int] | None = None,
@@ -71,16 +66,14 @@ class ShardedBuffer:
         self.offsets = list(offsets)
         self.numels = [p.numel() for p in params]
         self.dtype = params[0].dtype
-        self.per_rank = padded_numel // world
-        self.lo = rank * self.per_rank
+        self.group = group
+        self.per_rank = padded_numel // dist.get_world_size(group)
+        self.lo = dist.get_rank(group) * self.per_rank
         self.hi = self.lo + self.per_rank
         self.grad_shard = grad_shard
         self.reducer = reducer
         self.members = members  # stage 2: the parameters' indices in the reducer
         self.owner = None  # the optimizer that steps this buffer
-        # The group the slices are spread over (None: the optimizer's); for
-        # expert parameters, the ranks holding the same experts.
-        self.group = None
         self.expert = bool(params) and getattr(params[0], "_dsp_expert_group", None) is not None
         # Stage 2 with overlap_param_gather: the all-gather after a step is
         # left running, and the DDP's forward pre-hooks wait for it.
@@ -94,13 +87,14 @@ class ShardedBuffer:
         self.versions = self.param_versions()
 
     @classmethod
-    def packed(cls, params: list[torch.Tensor], rank: int, world: int) -> ShardedBuffer:
+    def packed(cls, params: list[torch.Tensor], group) -> ShardedBuffer:
         """A stage-1 buffer: the parameters back to back."""
         offsets = [0]
         for p in params[:-1]:
             offsets.append(offsets[-1] + p.numel())
         total = offsets[-1] + params[-1].numel()
-        return cls(params, offsets, -(-total // world) * world, rank, world)
+        world = dist.get_world_size(group)
+        return cls(params, offsets, -(-total // world) * world, group)
 
     def bind(self) -> None:
         """Makes every parameter a view into the buffer: no second copy of the
@@ -169,14 +163,14 @@ class ShardedBuffer:
                 out[a - self.lo : b - self.lo] = p.grad.reshape(-1)[a - o : b - o]
         return out
 
-    def start_gather(self, group) -> None:
+    def start_gather(self) -> None:
         """Writes the master copies into the buffer and starts the all-gather
-        that gives every rank the updated parameters."""
+        over its group that gives every rank the updated parameters."""
         for piece in self.pieces:
             if piece.param.data_ptr() != piece.view().data_ptr():
                 piece.view().copy_(piece.param)  # fp32 master -> the half-precision buffer
         self.pending = _all_gather(
-            self.flat, self.flat[self.lo : self.hi], group=group, async_op=True
+            self.flat, self.flat[self.lo : self.hi], group=self.group, async_op=True
         )
 
     def wait_gather(self) -> None:
@@ -350,9 +344,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             group = self.process_group
             if expert:
                 group = expert_dp_group_of(f"of group {gi}", ps[0], "ZeroRedundancyOptimizer")
-            buffer = ShardedBuffer.packed(ps, dist.get_rank(group), dist.get_world_size(group))
-            buffer.group = group
-            pairs.append((buffer, ps))
+            pairs.append((ShardedBuffer.packed(ps, group), ps))
         for buffer, ps in pairs:
             self._claim(buffer)
             ids = {id(p) for p in ps}
@@ -395,7 +387,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for buffer in self._buffers:
             for piece in buffer.pieces:
                 piece.param.grad = None
-            buffer.start_gather(buffer.group or self.process_group)  # into the parameters
+            buffer.start_gather()  # into the parameters
         for buffer in self._buffers:
             if not buffer.overlap_gather:
                 buffer.wait_gather()
@@ -438,7 +430,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # Over the ranks sharing the experts' slices, then over the
             # expert-parallel group, whose ranks hold the other experts.
             dist.all_reduce(expert, op=op, group=experts[0].group)
-            dist.all_reduce(expert, op=op, group=_expert_parallel_group())
+            dist.all_reduce(expert, op=op, group=get_parallel_state().ep_group)
         total = torch.maximum(dense, expert) if inf else (dense + expert).pow(1.0 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1:

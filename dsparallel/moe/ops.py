@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import _C  # noqa: F401  (registers the ops)
+from ..ops import group_size
 
 _ops = torch.ops.dsparallel
 
 
-def _size(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
-
-
 @torch.library.register_fake("dsparallel::moe_plan")
 def _plan_fake(expert_idx, num_experts, group_name):
-    n = _size(group_name)
+    n = group_size(group_name)
     kept = torch.library.get_ctx().new_dynamic_size()
     counts = torch.empty(n, num_experts // n, dtype=torch.long)
     return expert_idx.new_empty(kept, dtype=torch.long), counts, counts.clone()

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import _C  # noqa: F401  (registers the ops)
+from ..ops import group_size
 from .group import resolve_group
 
 _ops = torch.ops.dsparallel
-
-
-def _size(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
 
 
 def _fake_same(x, group_name):
@@ -28,7 +24,7 @@ def _fake_same(x, group_name):
 def _fake_resized(dim: int, grow: bool):
     def fake(x, group_name):
         shape = list(x.shape)
-        n = _size(group_name)
+        n = group_size(group_name)
         shape[dim] = shape[dim] * n if grow else shape[dim] // n
         return x.new_empty(shape)
 
