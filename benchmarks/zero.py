@@ -110,7 +110,7 @@ def _body(rank, world, config, layers, width, steps):
         opt.zero_grad(set_to_none=False)
         wrapped(x).square().mean().backward()
         grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        if config.startswith("ours-zero2"):  # no .grad: the reducer's shards and staging
+        if config.startswith("ours-zero2"):  # no .grad: the reducer's shards and what it held
             grads += sum(_bytes(g) for g in wrapped.reducer.grad_shards())
             grads += wrapped.reducer.staging_bytes
         opt.step()
@@ -120,11 +120,15 @@ def _body(rank, world, config, layers, width, steps):
         wrapped.wait_param_gather()
     params = sum(_bytes(p) for p in model.parameters())
     staging = wrapped.reducer.staging_bytes if config.startswith("ours-zero2") else 0
+    bucket = 0
+    if config.startswith("ours-zero2"):
+        bucket = max(wrapped.reducer.padded_numels()) * model[0].weight.element_size()
     row = {
         "params": params,
         "grads": grads,
         "state": _state_bytes(opt),
         "staging": staging,
+        "bucket": bucket,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step": statistics.median(times[1:]),
     }
@@ -184,7 +188,9 @@ def main():
                 "stage 2 per rank / (plain / N): opt state "
                 f"{[round(x['state'] / (plain['state'] / world), 4) for x in z2]}, grads "
                 f"{[round(x['grads'] / (plain['grads'] / world), 4) for x in z2]} "
-                f"(grads include two staging buckets of {z2[0]['staging'] / 2e6:.1f} MB each)"
+                f"(grads include the most the reducer held besides its shards during "
+                f"backward: {z2[0]['staging'] / 1e6:.1f} MB; the largest bucket is "
+                f"{z2[0]['bucket'] / 1e6:.1f} MB)"
             )
     if args.png:
         import matplotlib

@@ -403,6 +403,39 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
       });
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduceScatterFromList(
+    std::vector<at::Tensor> inputs, at::Tensor output, c10d::ReduceOp op) {
+  TORCH_CHECK(!multiHost() && output.device().is_cpu(),
+              "dsp reduce_scatter from a list: one host and CPU tensors only");
+  const auto dt = checkedDType(output, "reduce_scatter");
+  int64_t total = 0;
+  for (const auto& t : inputs) {
+    TORCH_CHECK(t.scalar_type() == output.scalar_type() && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                "dsp reduce_scatter from a list: inputs must be contiguous CPU ",
+                output.scalar_type(), " tensors, got ", t.scalar_type(), " ", t.sizes());
+    total += t.numel();
+  }
+  TORCH_CHECK(output.is_contiguous() && total == output.numel() * getSize(),
+              "dsp reduce_scatter from a list: the inputs hold ", total,
+              " elements, expected group size ", getSize(), " x ", output.numel());
+  auto info = callInfo(Collective::kReduceScatter, output,
+                       checkedReduceOp(op, dt, "reduce_scatter"));
+  return enqueue(
+      c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
+      [this, inputs = std::move(inputs), output, info] {
+        std::vector<void*> ptrs;
+        std::vector<size_t> counts;
+        for (const auto& t : inputs) {
+          ptrs.push_back(t.data_ptr());
+          counts.push_back(static_cast<size_t>(t.numel()));
+        }
+        comm_->reduceScatter(
+            dsp::BufferList(std::move(ptrs), std::move(counts), output.element_size()),
+            output.data_ptr(), static_cast<size_t>(output.numel()), info);
+      });
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {

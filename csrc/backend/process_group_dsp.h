@@ -139,6 +139,12 @@ class ProcessGroupDSP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input,
       const c10d::ReduceScatterOptions& opts) override;
+  // A reduce-scatter whose input is `inputs` laid end to end (group size x
+  // output elements in all), read where the tensors are: ZeRO-2 gradients
+  // with no copy into a flat bucket. One host, CPU, contiguous, one dtype.
+  c10::intrusive_ptr<c10d::Work> reduceScatterFromList(std::vector<at::Tensor> inputs,
+                                                       at::Tensor output,
+                                                       c10d::ReduceOp op);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;

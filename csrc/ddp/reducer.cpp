@@ -88,6 +88,12 @@ void Reducer::buildBuckets(const std::vector<size_t>& order) {
       const int64_t world = group_->getSize();
       bucket.padded_numel = (bucket.flat.numel() + world - 1) / world * world;
       bucket.shard = at::zeros({bucket.padded_numel / world}, bucket.flat.options());
+      bucket.clean_version = shardVersion(bucket);
+      bucket.list_capable = bucket.average_in_reduction && dspSharedMemory(bucket.flat);
+      const int64_t pad =
+          bucket.padded_numel - (bucket.offsets.back() + bucket.lengths.back());
+      if (bucket.list_capable && pad > 0)
+        bucket.padding = at::zeros({pad}, bucket.flat.options());
       bucket.flat = at::Tensor();
     }
     buckets.push_back(std::move(bucket));
@@ -176,7 +182,9 @@ std::vector<at::Tensor> Reducer::gradShards() const {
 void Reducer::zeroGradShards(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) {
-    if (b.shard.defined()) b.shard.zero_();
+    if (!b.shard.defined()) continue;
+    b.shard.zero_();
+    b.clean_version = shardVersion(b);
   }
   if (set_to_none) has_grad_.assign(params_.size(), false);
 }
@@ -251,13 +259,21 @@ void Reducer::prepareForBackward(const std::vector<at::Tensor>& outputs) {
   std::fill(locally_used_.begin(), locally_used_.end(), false);
   for (auto& b : buckets_) {
     b.pending = b.members.size();
+    // A result written straight into a clean shard by a backward that never
+    // finished is dropped, as an unadded result is: the shard was zero.
+    if (b.future && b.scattered.defined() && b.scattered.is_same(b.shard)) {
+      b.shard.zero_();
+      b.clean_version = shardVersion(b);
+    }
     b.future.reset();
     if (sharded()) {
+      releaseHeld(b);
       b.flat = at::Tensor();
       b.scattered = at::Tensor();
     }
   }
   staging_user_[0] = staging_user_[1] = -1;
+  peak_held_bytes_ = held_bytes_ = 0;
   const bool staticAfterFirst = options_.static_graph && iteration_ > 0;
   if (staticAfterFirst) {
     hooks_left_ = hook_counts_;
@@ -308,6 +324,10 @@ void Reducer::markReadyLocked(size_t index, bool used) {
     --bucket.pending;
     return;
   }
+  if (listed(bucket)) {
+    holdGradLocked(bucket, index, used);
+    return;
+  }
   if (sharded() && !bucket.flat.defined()) allocateFlatLocked(bucket);
   at::Tensor view = bucket.view(position_of_[index], params_[index]);
   // Without a comm hook, averaging is either fused into the reduction
@@ -332,6 +352,32 @@ void Reducer::markReadyLocked(size_t index, bool used) {
   // reduce-scattered into this rank's shard.
   if (sharded()) grad = at::Tensor();
   --bucket.pending;
+}
+
+// Keeps the gradient where autograd left it until its bucket is
+// reduce-scattered (no copy into a flat bucket). As with the staging buffers,
+// at most two buckets hold gradients: the first gradient of bucket k waits
+// for bucket k-2's reduction, which then lets go of its gradients.
+void Reducer::holdGradLocked(Bucket& b, size_t index, bool used) {
+  const auto k = static_cast<size_t>(&b - buckets_.data());
+  if (b.held.empty()) {
+    if (k >= 2) finishShard(buckets_[k - 2]);
+    b.held.resize(b.members.size());
+  }
+  at::Tensor& grad = params_[index].mutable_grad();
+  at::Tensor g =
+      used && grad.defined() ? grad.contiguous() : at::zeros_like(params_[index]);
+  grad = at::Tensor();  // stage 2 keeps no whole gradient in .grad
+  held_bytes_ += static_cast<int64_t>(g.nbytes());
+  peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
+  b.held[position_of_[index]] = g.view({-1});
+  --b.pending;
+}
+
+void Reducer::releaseHeld(Bucket& b) {
+  for (const auto& g : b.held)
+    held_bytes_ -= g.defined() ? static_cast<int64_t>(g.nbytes()) : 0;
+  b.held.clear();
 }
 
 void Reducer::allocateFlatLocked(Bucket& b) {
@@ -367,12 +413,32 @@ void Reducer::launchReduceScatterLocked(Bucket& b) {
   const size_t index = static_cast<size_t>(&b - buckets_.data());
   if (index >= 2) finishShard(buckets_[index - 2]);
   const int64_t n = b.padded_numel / group_->getSize();
-  // Over our shared memory the result may land in the bucket's own slice
-  // (each step copies a slice in before writing it): no output to allocate.
-  at::Tensor out = dspSharedMemory(b.flat) ? b.flat.narrow(0, group_->getRank() * n, n)
-                                           : at::empty({n}, b.flat.options());
+  const bool clean = shardVersion(b) == b.clean_version &&
+                     (listed(b) || b.shard.scalar_type() == b.flat.scalar_type());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = b.average_in_reduction ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  if (listed(b)) {
+    at::Tensor out = clean ? b.shard : at::empty({n}, b.shard.options());
+    std::vector<at::Tensor> inputs = b.held;
+    if (b.padding.defined()) inputs.push_back(b.padding);
+    b.future = dspBackend(b.shard)
+                   ->reduceScatterFromList(inputs, out, opts.reduceOp)
+                   ->getFuture();
+    b.scattered = std::move(out);
+    return;
+  }
+  // Over our shared memory the result may land where it is wanted: in the
+  // shard itself while that is still zero (after zero_grad: nothing to add
+  // it to), else in the bucket's own slice (each step reads a slice before
+  // writing it); either way no output to allocate.
+  at::Tensor out;
+  if (!dspSharedMemory(b.flat)) {
+    out = at::empty({n}, b.flat.options());
+  } else if (clean) {
+    out = b.shard;
+  } else {
+    out = b.flat.narrow(0, group_->getRank() * n, n);
+  }
   b.future = group_->_reduce_scatter_base(out, b.flat, opts)->getFuture();
   b.scattered = std::move(out);
 }
@@ -381,15 +447,24 @@ void Reducer::launchReduceScatterLocked(Bucket& b) {
 // (once: the future is dropped).
 void Reducer::finishShard(Bucket& b) {
   if (!b.future) return;
-  b.future->wait();
+  try {
+    b.future->wait();
+  } catch (...) {
+    // A failed reduction written into the shard must not leave half a sum.
+    if (b.scattered.is_same(b.shard)) b.shard.zero_();
+    releaseHeld(b);
+    throw;
+  }
+  releaseHeld(b);
   if (comm_hook_) {
     // A hook reduces the whole bucket (all-reduce semantics): keep our slice.
     const at::Tensor result = comm_hook_->parseHookResult(b.future->value());
     const int64_t n = b.shard.numel();
     b.shard.add_(result.narrow(0, group_->getRank() * n, n));
-  } else {
+  } else if (!b.scattered.is_same(b.shard)) {
     b.shard.add_(b.scattered);
   }
+  b.clean_version = -1;  // holds a gradient now
   b.future.reset();
   b.flat = at::Tensor();
   b.scattered = at::Tensor();
@@ -404,7 +479,7 @@ int64_t Reducer::stagingBytes() const {
   int64_t bytes = 0;
   for (const auto& t : staging_)
     bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
-  return bytes;
+  return bytes + peak_held_bytes_;
 }
 
 // Launches every full bucket in bucket order, stopping at the first that is
@@ -448,10 +523,20 @@ void Reducer::launchReadyLocked() {
 // our worker thread, which never frees a gradient's Python object (gloo's and
 // NCCL's threads, serving groups across hosts and CUDA tensors, could, and a
 // non-Python thread freeing one as the interpreter exits aborts the process).
+// The shard's version counter: moves with every write through ATen (an
+// optimizer clipping it, a zero_), not with the backend's writes into it.
+int64_t Reducer::shardVersion(const Bucket& b) {
+  return static_cast<int64_t>(
+      torch::autograd::impl::version_counter(b.shard).current_version());
+}
+
 bool Reducer::dspSharedMemory(const at::Tensor& t) const {
-  const auto backend = group_->getBackend(t.device().type());
-  const auto* dsp = dynamic_cast<const ProcessGroupDSP*>(backend.get());
+  const auto* dsp = dspBackend(t);
   return dsp != nullptr && t.device().is_cpu() && !dsp->multiHost();
+}
+
+ProcessGroupDSP* Reducer::dspBackend(const at::Tensor& t) const {
+  return dynamic_cast<ProcessGroupDSP*>(group_->getBackend(t.device().type()).get());
 }
 
 std::string Reducer::backendName(const at::Tensor& t) const {

@@ -17,14 +17,17 @@
 //
 // ZeRO stage 2 (zero_stage = 2): each bucket is padded to a multiple of the
 // group size and rank r owns its r-th equal slice. A full bucket is
-// reduce-scattered instead of all-reduced, the result is added into the
-// bucket's persistent gradient shard (1/N of the bucket), and .grad is
-// released as soon as it is copied into the bucket. Flat buckets take turns
-// in two staging buffers kept across iterations (bucket k uses buffer k % 2,
-// after bucket k-2's reduction has finished with it): a rank holds its
-// shards plus two buckets, and never faults fresh pages in per iteration.
-// The layout never changes (no rebuild): the optimizer's state is laid out
-// on it.
+// reduce-scattered instead of all-reduced into the bucket's persistent
+// gradient shard (1/N of the bucket): straight into it while it is zero
+// (after zero_grad), else added into it. .grad is released at once. Over our
+// shared memory (no comm hook, no reduce dtype) the gradients are
+// reduce-scattered where autograd left them, held until their bucket's
+// reduction finishes: no copy into a flat bucket. Otherwise (a hook, another
+// backend) they are copied into flat buckets that take turns in two staging
+// buffers kept across iterations. Either way bucket k starts filling only
+// after bucket k-2's reduction finished: a rank holds its shards plus two
+// buckets. The layout never changes (no rebuild): the optimizer's state is
+// laid out on it.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -43,6 +46,8 @@
 #include "flat_bucket.h"
 
 namespace dsparallel {
+
+class ProcessGroupDSP;
 
 // shared_ptr<Node> before torch 2.12, intrusive_ptr<Node> after.
 using NodePtr =
@@ -81,7 +86,9 @@ class Reducer {
   // This rank's slice of each bucket's averaged gradient, accumulated over
   // synced backwards until zeroGradShards().
   std::vector<at::Tensor> gradShards() const;
-  // Bytes of the two staging buffers (held across iterations).
+  // Bytes held besides the shards: the two staging buffers (kept across
+  // iterations), plus the most gradient bytes held at once for
+  // reduce-scatters from where they are, in the last backward.
   int64_t stagingBytes() const;
   // Zeroes the shards; with set_to_none, every parameter is also "without a
   // gradient" again, as torch's zero_grad makes .grad None.
@@ -105,7 +112,16 @@ class Reducer {
     // reduce-scatter's output until it is added into the slice.
     int64_t padded_numel = 0;
     at::Tensor shard;
-    at::Tensor scattered;
+    at::Tensor scattered;  // may be `shard` itself (see launchReduceScatterLocked)
+    // Over our shared memory (no hook, no reduce dtype) the gradients are
+    // reduce-scattered where autograd left them: held here in member order,
+    // with `padding` (zeros) after them, until the reduction is finished.
+    bool list_capable = false;
+    std::vector<at::Tensor> held;
+    at::Tensor padding;
+    // The shard's version when it was last zeroed (-1: it holds a gradient
+    // since): a clean shard takes the reduce-scatter's output directly.
+    int64_t clean_version = -1;
   };
 
   void autogradHook(size_t index);
@@ -113,6 +129,12 @@ class Reducer {
   void launchReadyLocked();
   std::string backendName(const at::Tensor& t) const;
   bool dspSharedMemory(const at::Tensor& t) const;
+  ProcessGroupDSP* dspBackend(const at::Tensor& t) const;
+  bool listed(const Bucket& b) const {
+    return b.list_capable && !comm_hook_ && !reduce_dtype_;
+  }
+  void holdGradLocked(Bucket& b, size_t index, bool used);
+  void releaseHeld(Bucket& b);
   bool fusedAverage(const at::Tensor& flat) const;
   bool inPlace(const Bucket& b) const { return b.in_place_capable && !comm_hook_; }
   void finalizeBackward();
@@ -127,6 +149,7 @@ class Reducer {
   void allocateFlatLocked(Bucket& b);
   void launchReduceScatterLocked(Bucket& b);
   void finishShard(Bucket& b);
+  static int64_t shardVersion(const Bucket& b);
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -154,6 +177,8 @@ class Reducer {
   std::vector<bool> has_grad_;                  // stage 2: see paramsWithGradients()
   at::Tensor staging_[2];                       // stage 2: see the top
   int64_t staging_user_[2] = {-1, -1};          // the bucket using each, or -1
+  int64_t held_bytes_ = 0;                      // stage 2: gradients in Bucket::held
+  int64_t peak_held_bytes_ = 0;                 // ... at most, this backward
 };
 
 }  // namespace dsparallel

@@ -238,6 +238,48 @@ TEST(ShmComm, BroadcastReduceGatherScatter) {
   }
 }
 
+// The ZeRO-2 path: the input blocks spread over buffers whose boundaries do
+// not fall on block boundaries (so a step's range spans several), with the
+// output in place over this rank's own block; then the all-gather in place
+// over the same array. Slots are small, so large counts take many steps.
+TEST(ShmComm, ReduceScatterFromBufferListInPlaceThenAllGatherInPlace) {
+  for (int n : kWorlds) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      for (size_t count : kCounts) {
+        const size_t total = count * n;
+        std::vector<int32_t> flat(total);
+        for (size_t i = 0; i < total; ++i)
+          flat[i] = static_cast<int32_t>(i % 97) + c.rank();
+        // Cut into pieces of 7, 1, 300, ... elements (whatever is left last).
+        std::vector<void*> ptrs;
+        std::vector<size_t> counts;
+        const size_t cuts[] = {7, 1, 300, 4096};
+        size_t at = 0;
+        for (size_t k = 0; at < total; ++k) {
+          const size_t len = std::min(cuts[k % 4], total - at);
+          ptrs.push_back(flat.data() + at);
+          counts.push_back(len);
+          at += len;
+        }
+        int32_t* mine = flat.data() + c.rank() * count;
+        c.reduceScatter(BufferList(ptrs, counts, sizeof(int32_t)), mine, count,
+                        info(Collective::kReduceScatter));
+        const int32_t rankSum = n * (n - 1) / 2;
+        for (size_t i = 0; i < count; ++i) {
+          const size_t g = c.rank() * count + i;
+          ASSERT_EQ(mine[i], n * static_cast<int32_t>(g % 97) + rankSum) << "at " << i;
+        }
+        std::vector<void*> outs;
+        for (int r = 0; r < n; ++r) outs.push_back(flat.data() + r * count);
+        c.allGather(mine, count * 4, outs.data(), info(Collective::kAllGather));
+        for (size_t g = 0; g < total; ++g) {
+          ASSERT_EQ(flat[g], n * static_cast<int32_t>(g % 97) + rankSum) << "at " << g;
+        }
+      }
+    }));
+  }
+}
+
 TEST(ShmComm, ReduceScatterAndAllToAll) {
   for (int n : kWorlds) {
     expectNoErrors(runRanks(n, [n](ShmComm& c) {
@@ -425,7 +467,7 @@ TEST(Segment, CreatedOwnerOnlyAndExclusive) {
   const mode_t old = umask(0);  // a permissive umask must not widen the mode
   Segment seg = Segment::create(name, 4096);
   umask(old);
-  struct stat st {};
+  struct stat st{};
   ASSERT_EQ(stat(("/dev/shm" + name).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   EXPECT_THROW(Segment::create(name, 4096), std::runtime_error);  // O_EXCL

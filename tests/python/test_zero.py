@@ -355,6 +355,15 @@ def _stage2_options_body(rank, world):
 
     ref = run(False)
     _close(run(True, find_unused_parameters=True, bucket_cap_mb=0.0003), ref)
+
+    # One bucket per parameter: gradients are read where
+    # autograd left them, and at most two buckets' worth are held at once.
+    model = _model()
+    ddp = dsparallel.DistributedDataParallel(model, zero_stage=2, bucket_cap_mb=1e-6)
+    dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **LR)
+    assert len(ddp.reducer.padded_numels()) == 6
+    nn.functional.mse_loss(ddp(_batch(0)[0]), _batch(0)[1]).backward()
+    assert 0 < ddp.reducer.staging_bytes <= 2 * 4 * max(ddp.reducer.padded_numels())
     # Each step's all-gathers left running, waited for by each layer's forward.
     small = dict(find_unused_parameters=True, bucket_cap_mb=0.0003)
     _close(run(True, overlap_param_gather=True, **small), ref)

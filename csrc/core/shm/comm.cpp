@@ -641,7 +641,15 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
       [&](uint32_t s, size_t off, size_t len) {
         if (!reads) return;
         for (int r = 0; r < size_; ++r) {
-          std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s), len);
+          char* to = static_cast<char*>(outs[r]) + off;
+          if (r != rank_) {
+            std::memcpy(to, slot(r, s), len);
+            continue;
+          }
+          // Our own piece comes from our input, not back out of the segment;
+          // in place (the output's piece is the input) it is already there.
+          const char* from = static_cast<const char*>(in) + off;
+          if (to != from) std::memmove(to, from, len);
         }
       });
 }
@@ -664,26 +672,51 @@ void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
       });
 }
 
-// Each step carries the same element range of all n destination blocks; a
-// rank reduces the pieces addressed to it straight into its output.
 void ShmComm::reduceScatter(const void* const* ins, void* out, size_t count,
                             const CallInfo& info) {
-  begin(info);
   const size_t es = elementSize(info.dtype);
+  std::vector<void*> ptrs;
+  for (int j = 0; j < size_; ++j) ptrs.push_back(const_cast<void*>(ins[j]));
+  reduceScatter(BufferList(ptrs, std::vector<size_t>(size_, count), es), out, count,
+                info);
+}
+
+// Each step carries the same element range of all n destination blocks; a
+// rank reduces the pieces addressed to it straight into its output, reading
+// its own block from the input, not through the segment.
+void ShmComm::reduceScatter(const BufferList& in, void* out, size_t count,
+                            const CallInfo& info) {
+  const size_t es = elementSize(info.dtype);
+  if (in.elementSize() != es || in.count() != count * size_) {
+    throw std::invalid_argument(
+        "dsp: reduce_scatter input must hold group size x count "
+        "elements of the dtype");
+  }
+  begin(info);
   const size_t per = slotBytes() / size_ / es;  // elements per block per step
   std::vector<const void*> srcs(size_);
   chunkedSteps(
       count, per, count, info,
       [&](uint32_t s, size_t off, size_t len) {
         for (int j = 0; j < size_; ++j) {
-          std::memcpy(slot(rank_, s) + j * per * es,
-                      static_cast<const char*>(ins[j]) + off * es, len * es);
+          if (j == rank_) continue;
+          char* to = slot(rank_, s) + j * per * es;
+          in.forRange(j * count + off, len, [&](char* p, size_t done, size_t k) {
+            std::memcpy(to + done * es, p, k * es);
+          });
         }
       },
       [&](uint32_t s, size_t off, size_t len) {
-        for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + rank_ * per * es;
-        reduceInto(static_cast<char*>(out) + off * es, srcs.data(), size_, len,
-                   info.dtype, info.op, size_);
+        // Sources in rank order (the same sums bit for bit whichever buffer
+        // holds ours); `out` may be our own input block (reduceInto allows
+        // dst == a source).
+        in.forRange(rank_ * count + off, len, [&](char* p, size_t done, size_t k) {
+          for (int r = 0; r < size_; ++r)
+            srcs[r] = slot(r, s) + (rank_ * per + done) * es;
+          srcs[rank_] = p;
+          reduceInto(static_cast<char*>(out) + (off + done) * es, srcs.data(), size_, k,
+                     info.dtype, info.op, size_);
+        });
       });
 }
 

@@ -208,6 +208,10 @@ class ShmComm {
   // out = op over ranks r of rank r's ins[rank()] (count elements each).
   void reduceScatter(const void* const* ins, void* out, size_t count,
                      const CallInfo& info);
+  // The same with the input blocks laid end to end across several buffers
+  // (size() x count elements in all): block j is elements [j count, (j+1)
+  // count) of the list. The gradients of a ZeRO-2 bucket, read where they are.
+  void reduceScatter(const BufferList& in, void* out, size_t count, const CallInfo& info);
   // outs[r] (recv_bytes[r]) = rank r's ins[rank()] (its send_bytes[rank()]).
   void allToAll(const void* const* ins, const size_t* send_bytes, void* const* outs,
                 const size_t* recv_bytes, const CallInfo& info);
