@@ -1,12 +1,15 @@
 """Memory per rank and step time of sharded optimizers over "dsp".
 
-    python benchmarks/zero.py [--worlds 2 4] [--layers 12] [--width 2048] [--png zero.png]
+    python benchmarks/zero.py [--worlds 2 4] [--repeats 3] [--png zero.png]
 
 On an MLP of ``layers`` Linear(width, width) layers (12 x 2048: 50M
 parameters), one run per configuration and world size, each rank measures
 the bytes of optimizer state and of gradients it actually holds after
 backward and step, its peak RSS, and the median step time (forward,
-backward, step; steps back to back after one barrier) over the timed steps:
+backward, step; steps back to back after one barrier) over the timed steps.
+Each configuration runs ``repeats`` times, round-robin with the others (so
+a drift of the machine hits all alike), and its step time is the median of
+its runs:
 
 - torch DDP + AdamW (the baseline: every rank holds everything),
 - torch DDP + torch's ZeroRedundancyOptimizer (stage 1, whole parameters per rank),
@@ -143,7 +146,14 @@ def main():
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per configuration, round-robin over the configurations; the step "
+        "time is the median of the runs' medians (runs drift by about 10%% here)",
+    )
     p.add_argument("--png", help="stacked bars of memory per rank")
     args = p.parse_args()
     n = args.layers * (args.width * args.width + args.width)
@@ -155,9 +165,18 @@ def main():
             f"{'config':>21} | {'params':>7} {'grads':>7} {'opt state':>9} {'peak RSS':>8} | "
             f"{'state/base':>10} {'step ms':>8} {'step/base':>9}"
         )
+        runs = {c: [] for c in CONFIGS}
+        for _ in range(args.repeats):
+            for config in CONFIGS:
+                runs[config].append(
+                    run_ranks(_body, world, config, args.layers, args.width, args.steps)
+                )
         base = None
         for config in CONFIGS:
-            r = run_ranks(_body, world, config, args.layers, args.width, args.steps)
+            # Bytes are the same every run; the step time is the median over runs.
+            r = runs[config][-1]
+            every = [run[0]["step"] for run in runs[config]]
+            r[0]["step"] = statistics.median(every)
             results[(world, config)] = r
             base = base or r[0]
             mb = 1e6
@@ -168,6 +187,7 @@ def main():
                 f"{r[0]['step'] / base['step']:9.2f}",
                 flush=True,
             )
+            print(f"{'':>21}   step ms per run: {[round(t * 1e3) for t in every]}")
             if world > 1:
                 states = [x["state"] for x in r]
                 print(f"{'':>21}   opt state per rank (MB): {[round(s / mb, 1) for s in states]}")
