@@ -208,8 +208,8 @@ def _mpi_available():
     return True
 
 
-def _run_mpi(n, sizes):
-    """MPI_Allreduce via mpi4py on the same sizes (us per call, slowest rank)."""
+def _run_mpi(n, collective, sizes):
+    """The collective through MPI (mpi4py) on the same sizes (us per call, slowest rank)."""
     cmd = [
         "mpirun",
         "--allow-run-as-root",
@@ -220,7 +220,8 @@ def _run_mpi(n, sizes):
         "btl",
         "self,vader",
         sys.executable,
-        os.path.join(HERE, "mpi_allreduce.py"),
+        os.path.join(HERE, "mpi_collectives.py"),
+        collective,
     ]
     cmd += [str(s) for s in sizes]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -249,7 +250,7 @@ def _format_row(row):
     line = " | ".join(parts) + f" | {ratio:>7.1f}x"
     if "mpi_us" in row:
         mpi_bus = (
-            row["bytes"] / (row["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR["all_reduce"](row["world"])
+            row["bytes"] / (row["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR[row["collective"]](row["world"])
         )
         line += (
             f" | mpi {row['mpi_us']:>9.1f} us busbw {mpi_bus:>6.3f} dsp/mpi busbw "
@@ -400,10 +401,10 @@ def main():
         else:
             world_rows = run_ranks(_worker, n, args.collectives, sizes, args.nodes)
         mpi_ok = args.nodes == 1 and not args.no_mpi and _mpi_available()
-        if "all_reduce" in args.collectives and mpi_ok:
-            mpi = _run_mpi(n, sizes)
+        for collective in args.collectives if mpi_ok else []:
+            mpi = _run_mpi(n, collective, sizes)
             for r in world_rows:
-                if r["collective"] == "all_reduce" and r["bytes"] in mpi:
+                if r["collective"] == collective and r["bytes"] in mpi:
                     r["mpi_us"] = mpi[r["bytes"]]
                     print(_format_row(r))
         rows += world_rows
