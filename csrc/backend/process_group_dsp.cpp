@@ -150,8 +150,6 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.spins = envInt("DSP_SPINS", options.spins);
   options.yields = envInt("DSP_YIELDS", options.yields);
   options.p2p_ring_bytes = envBytes("DSP_P2P_RING_BYTES", options.p2p_ring_bytes);
-  options.single_copy_min_bytes =
-      envBytes("DSP_SINGLE_COPY_BYTES", options.single_copy_min_bytes);
   check_across_hosts_ = envInt("DSP_CHECK_ACROSS_HOSTS", 1) != 0;
   hier_piece_bytes_ =
       static_cast<int64_t>(envBytes("DSP_HIER_PIECE_BYTES", hier_piece_bytes_));

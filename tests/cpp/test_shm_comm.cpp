@@ -188,64 +188,53 @@ TEST(ShmComm, PipelinedAllReduceThenBroadcastBackToBack) {
   }));
 }
 
-// Twice: through the segment, then (every size from one byte up) reading the
-// peers' buffers in place.
 TEST(ShmComm, BroadcastReduceGatherScatter) {
-  for (size_t single : {SIZE_MAX, size_t{1}}) {
-    ShmOptions options = testing::smallOptions();
-    options.single_copy_min_bytes = single;
-    for (int n : kWorlds) {
-      expectNoErrors(runRanks(
-          n,
-          [n](ShmComm& c) {
-            for (size_t count : kCounts) {
-              const int root = n - 1;
-              std::vector<int32_t> b(count, c.rank() == root ? 42 : -1);
-              c.broadcast(
-                  b.data(), count * 4,
-                  info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, root));
-              for (int32_t x : b) ASSERT_EQ(x, 42);
+  for (int n : kWorlds) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      for (size_t count : kCounts) {
+        const int root = n - 1;
+        std::vector<int32_t> b(count, c.rank() == root ? 42 : -1);
+        c.broadcast(b.data(), count * 4,
+                    info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, root));
+        for (int32_t x : b) ASSERT_EQ(x, 42);
 
-              std::vector<int64_t> in(count, c.rank() + 1), out(count, 0);
-              c.reduce(in.data(), out.data(), count,
-                       info(Collective::kReduce, DType::kInt64, ReduceOp::kProduct, 0));
-              if (c.rank() == 0) {
-                int64_t fact = 1;
-                for (int r = 1; r <= n; ++r) fact *= r;
-                for (int64_t x : out) ASSERT_EQ(x, fact);
-              }
+        std::vector<int64_t> in(count, c.rank() + 1), out(count, 0);
+        c.reduce(in.data(), out.data(), count,
+                 info(Collective::kReduce, DType::kInt64, ReduceOp::kProduct, 0));
+        if (c.rank() == 0) {
+          int64_t fact = 1;
+          for (int r = 1; r <= n; ++r) fact *= r;
+          for (int64_t x : out) ASSERT_EQ(x, fact);
+        }
 
-              std::vector<int32_t> mine(count, c.rank());
-              std::vector<std::vector<int32_t>> all(n, std::vector<int32_t>(count, -1));
-              std::vector<void*> outs;
-              for (auto& a : all) outs.push_back(a.data());
-              c.allGather(mine.data(), count * 4, outs.data(),
-                          info(Collective::kAllGather));
-              for (int r = 0; r < n; ++r)
-                for (int32_t x : all[r]) ASSERT_EQ(x, r);
+        std::vector<int32_t> mine(count, c.rank());
+        std::vector<std::vector<int32_t>> all(n, std::vector<int32_t>(count, -1));
+        std::vector<void*> outs;
+        for (auto& a : all) outs.push_back(a.data());
+        c.allGather(mine.data(), count * 4, outs.data(), info(Collective::kAllGather));
+        for (int r = 0; r < n; ++r)
+          for (int32_t x : all[r]) ASSERT_EQ(x, r);
 
-              for (auto& a : all) std::fill(a.begin(), a.end(), -1);
-              c.gather(mine.data(), count * 4, outs.data(),
-                       info(Collective::kGather, DType::kInt32, ReduceOp::kSum, 0));
-              if (c.rank() == 0) {
-                for (int r = 0; r < n; ++r)
-                  for (int32_t x : all[r]) ASSERT_EQ(x, r);
-              }
+        for (auto& a : all) std::fill(a.begin(), a.end(), -1);
+        c.gather(mine.data(), count * 4, outs.data(),
+                 info(Collective::kGather, DType::kInt32, ReduceOp::kSum, 0));
+        if (c.rank() == 0) {
+          for (int r = 0; r < n; ++r)
+            for (int32_t x : all[r]) ASSERT_EQ(x, r);
+        }
 
-              std::vector<std::vector<int32_t>> pieces(n, std::vector<int32_t>(count));
-              std::vector<const void*> ins;
-              for (int r = 0; r < n; ++r) {
-                std::fill(pieces[r].begin(), pieces[r].end(), 100 + r);
-                ins.push_back(pieces[r].data());
-              }
-              std::vector<int32_t> got(count, -1);
-              c.scatter(ins.data(), got.data(), count * 4,
-                        info(Collective::kScatter, DType::kInt32, ReduceOp::kSum, 0));
-              for (int32_t x : got) ASSERT_EQ(x, 100 + c.rank());
-            }
-          },
-          options));
-    }
+        std::vector<std::vector<int32_t>> pieces(n, std::vector<int32_t>(count));
+        std::vector<const void*> ins;
+        for (int r = 0; r < n; ++r) {
+          std::fill(pieces[r].begin(), pieces[r].end(), 100 + r);
+          ins.push_back(pieces[r].data());
+        }
+        std::vector<int32_t> got(count, -1);
+        c.scatter(ins.data(), got.data(), count * 4,
+                  info(Collective::kScatter, DType::kInt32, ReduceOp::kSum, 0));
+        for (int32_t x : got) ASSERT_EQ(x, 100 + c.rank());
+      }
+    }));
   }
 }
 
@@ -254,49 +243,40 @@ TEST(ShmComm, BroadcastReduceGatherScatter) {
 // output in place over this rank's own block; then the all-gather in place
 // over the same array. Slots are small, so large counts take many steps.
 TEST(ShmComm, ReduceScatterFromBufferListInPlaceThenAllGatherInPlace) {
-  for (size_t single : {SIZE_MAX, size_t{1}}) {
-    ShmOptions options = testing::smallOptions();
-    options.single_copy_min_bytes = single;
-    for (int n : kWorlds) {
-      expectNoErrors(runRanks(
-          n,
-          [n](ShmComm& c) {
-            for (size_t count : kCounts) {
-              const size_t total = count * n;
-              std::vector<int32_t> flat(total);
-              for (size_t i = 0; i < total; ++i)
-                flat[i] = static_cast<int32_t>(i % 97) + c.rank();
-              // Cut into pieces of 7, 1, 300, ... elements (whatever is left last).
-              std::vector<void*> ptrs;
-              std::vector<size_t> counts;
-              const size_t cuts[] = {7, 1, 300, 4096};
-              size_t at = 0;
-              for (size_t k = 0; at < total; ++k) {
-                const size_t len = std::min(cuts[k % 4], total - at);
-                ptrs.push_back(flat.data() + at);
-                counts.push_back(len);
-                at += len;
-              }
-              int32_t* mine = flat.data() + c.rank() * count;
-              c.reduceScatter(BufferList(ptrs, counts, sizeof(int32_t)), mine, count,
-                              info(Collective::kReduceScatter));
-              const int32_t rankSum = n * (n - 1) / 2;
-              for (size_t i = 0; i < count; ++i) {
-                const size_t g = c.rank() * count + i;
-                ASSERT_EQ(mine[i], n * static_cast<int32_t>(g % 97) + rankSum)
-                    << "at " << i;
-              }
-              std::vector<void*> outs;
-              for (int r = 0; r < n; ++r) outs.push_back(flat.data() + r * count);
-              c.allGather(mine, count * 4, outs.data(), info(Collective::kAllGather));
-              for (size_t g = 0; g < total; ++g) {
-                ASSERT_EQ(flat[g], n * static_cast<int32_t>(g % 97) + rankSum)
-                    << "at " << g;
-              }
-            }
-          },
-          options));
-    }
+  for (int n : kWorlds) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      for (size_t count : kCounts) {
+        const size_t total = count * n;
+        std::vector<int32_t> flat(total);
+        for (size_t i = 0; i < total; ++i)
+          flat[i] = static_cast<int32_t>(i % 97) + c.rank();
+        // Cut into pieces of 7, 1, 300, ... elements (whatever is left last).
+        std::vector<void*> ptrs;
+        std::vector<size_t> counts;
+        const size_t cuts[] = {7, 1, 300, 4096};
+        size_t at = 0;
+        for (size_t k = 0; at < total; ++k) {
+          const size_t len = std::min(cuts[k % 4], total - at);
+          ptrs.push_back(flat.data() + at);
+          counts.push_back(len);
+          at += len;
+        }
+        int32_t* mine = flat.data() + c.rank() * count;
+        c.reduceScatter(BufferList(ptrs, counts, sizeof(int32_t)), mine, count,
+                        info(Collective::kReduceScatter));
+        const int32_t rankSum = n * (n - 1) / 2;
+        for (size_t i = 0; i < count; ++i) {
+          const size_t g = c.rank() * count + i;
+          ASSERT_EQ(mine[i], n * static_cast<int32_t>(g % 97) + rankSum) << "at " << i;
+        }
+        std::vector<void*> outs;
+        for (int r = 0; r < n; ++r) outs.push_back(flat.data() + r * count);
+        c.allGather(mine, count * 4, outs.data(), info(Collective::kAllGather));
+        for (size_t g = 0; g < total; ++g) {
+          ASSERT_EQ(flat[g], n * static_cast<int32_t>(g % 97) + rankSum) << "at " << g;
+        }
+      }
+    }));
   }
 }
 

@@ -1,7 +1,6 @@
 #include "comm.h"
 
 #include <signal.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -569,50 +568,6 @@ void ShmComm::allReduceScatterGather(const Io& io, size_t count, const CallInfo&
 }
 
 // ---------------------------------------------------------------------------
-// single copy: reading a peer's buffer in place
-
-namespace {
-
-// Copies `bytes` from address `from` in process `pid` into `to`; false if the
-// kernel refuses (EPERM under ptrace restrictions, ENOSYS under seccomp).
-bool readProcess(int pid, uintptr_t from, void* to, size_t bytes) {
-  size_t done = 0;
-  while (done < bytes) {
-    iovec local{static_cast<char*>(to) + done, bytes - done};
-    iovec remote{reinterpret_cast<void*>(from + done), bytes - done};
-    const ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (got <= 0) return false;
-    done += static_cast<size_t>(got);
-  }
-  return true;
-}
-
-}  // namespace
-
-template <typename Read>
-bool ShmComm::singleCopy(const void* mine, size_t count, const CallInfo& info,
-                         Read&& read) {
-  const uint32_t s = nextStep();
-  publishDescriptor(s, info, count);
-  *reinterpret_cast<uint64_t*>(slot(rank_, s)) = reinterpret_cast<uintptr_t>(mine);
-  arriveAndWait(s);
-  checkDescriptors(s, true);
-  const bool ok = read([&](int r) {
-    return std::make_pair(
-        static_cast<int>(control(r).pid.load()),
-        static_cast<uintptr_t>(*reinterpret_cast<uint64_t*>(slot(r, s))));
-  });
-  // Every rank reached s, so our slot of the other parity is free to write.
-  const uint32_t done = nextStep();
-  *reinterpret_cast<uint64_t*>(slot(rank_, done)) = ok ? 1 : 0;
-  arriveAndWait(done);
-  for (int r = 0; r < size_; ++r) {
-    if (*reinterpret_cast<uint64_t*>(slot(r, done)) == 0) single_copy_ = false;
-  }
-  return single_copy_;
-}
-
-// ---------------------------------------------------------------------------
 // byte-moving collectives: one slot (two chunks) per rank per step
 
 // The step loop the fixed-size collectives share: `total` units moved `per`
@@ -639,13 +594,6 @@ void ShmComm::chunkedSteps(size_t total, size_t per, size_t count, const CallInf
 void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
   begin(info);
   char* p = static_cast<char*>(buf);
-  if (useSingleCopy(bytes) && singleCopy(buf, bytes, info, [&](auto&& address_of) {
-        if (rank_ == info.root) return true;
-        const auto [pid, from] = address_of(info.root);
-        return readProcess(pid, from, p, bytes);
-      })) {
-    return;
-  }
   chunkedSteps(
       bytes, slotBytes(), bytes, info,
       [&](uint32_t s, size_t off, size_t len) {
@@ -685,25 +633,6 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
                      const CallInfo& info) {
   begin(info);
   const bool reads = info.kind == Collective::kAllGather || rank_ == info.root;
-  auto own = [&](size_t off, size_t len) {
-    // Our own piece comes from our input, not back out of the segment; in
-    // place (the output's piece is the input) it is already there.
-    char* to = static_cast<char*>(outs[rank_]) + off;
-    const char* from = static_cast<const char*>(in) + off;
-    if (to != from) std::memmove(to, from, len);
-  };
-  if (useSingleCopy(bytes) && singleCopy(in, bytes, info, [&](auto&& address_of) {
-        if (!reads) return true;
-        for (int r = 0; r < size_; ++r) {
-          if (r == rank_) continue;
-          const auto [pid, from] = address_of(r);
-          if (!readProcess(pid, from, outs[r], bytes)) return false;
-        }
-        own(0, bytes);
-        return true;
-      })) {
-    return;
-  }
   chunkedSteps(
       bytes, slotBytes(), bytes, info,
       [&](uint32_t s, size_t off, size_t len) {
@@ -712,11 +641,15 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
       [&](uint32_t s, size_t off, size_t len) {
         if (!reads) return;
         for (int r = 0; r < size_; ++r) {
-          if (r == rank_) {
-            own(off, len);
-          } else {
-            std::memcpy(static_cast<char*>(outs[r]) + off, slot(r, s), len);
+          char* to = static_cast<char*>(outs[r]) + off;
+          if (r != rank_) {
+            std::memcpy(to, slot(r, s), len);
+            continue;
           }
+          // Our own piece comes from our input, not back out of the segment;
+          // in place (the output's piece is the input) it is already there.
+          const char* from = static_cast<const char*>(in) + off;
+          if (to != from) std::memmove(to, from, len);
         }
       });
 }

@@ -107,13 +107,6 @@ struct ShmOptions {
   // Bytes of each point-to-point ring (one per ordered pair of ranks); 0:
   // ShmP2P::defaultRingBytes(size).
   size_t p2p_ring_bytes = 0;
-  // all_gather, gather and broadcast pieces from this size up are read
-  // straight from the peer's buffer (process_vm_readv: one copy instead of
-  // two through the segment, two synchronisations instead of one per slot).
-  // Where the kernel refuses it (ptrace restrictions, seccomp), the first
-  // such call finds out on some rank, every rank falls back to the segment
-  // and stays there. SIZE_MAX: never.
-  size_t single_copy_min_bytes = size_t{256} << 10;
 };
 
 // Several buffers of one dtype seen as one array: an all-reduce over them
@@ -244,17 +237,6 @@ class ShmComm {
   [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
   [[noreturn]] void failAborted() const;
 
-  // The single-copy protocol: step 1 publishes each rank's buffer address,
-  // `read(address_of)` then copies from the peers' buffers, step 2 publishes
-  // whether that worked; past step 2 no peer reads our buffer any more.
-  // False (on every rank alike) when some rank could not read: the caller
-  // moves the data through the segment instead.
-  template <typename Read>
-  bool singleCopy(const void* mine, size_t count, const CallInfo& info, Read&& read);
-  bool useSingleCopy(size_t piece_bytes) const {
-    return size_ > 1 && single_copy_ && piece_bytes >= options_.single_copy_min_bytes;
-  }
-
   template <typename Write, typename Read>
   void chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
                     Write&& write, Read&& read);
@@ -284,7 +266,6 @@ class ShmComm {
   WaitPolicy wait_policy_;
   std::string broken_;  // non-empty: why this comm refuses work
   std::unique_ptr<ShmP2P> p2p_;
-  bool single_copy_ = true;  // false once a rank could not read a peer's memory
 };
 
 }  // namespace dsp
