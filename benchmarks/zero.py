@@ -21,9 +21,10 @@ its runs:
   gradients reduce-scattered into shards), and the same with
   ``overlap_param_gather=True`` (each step's all-gathers overlap the next
   forward),
-- torch's FSDP2 (fully_shard per layer) + AdamW over "dsp" (stage 3).
+- torch's FSDP2 (fully_shard per layer) + AdamW over "dsp" (stage 3), and
+  the same over gloo.
 
-All over the "dsp" backend. Ratios are against the baseline of the same
+All over the "dsp" backend but the last. Ratios are against the baseline of the same
 run; the last lines compare stage 2's step time with our plain DDP's and
 with torch DDP + torch's ZeroRedundancyOptimizer's, and each rank's state
 and gradients with plain / N.
@@ -47,6 +48,7 @@ CONFIGS = [
     "ours-zero2",
     "ours-zero2-overlap",
     "fsdp2",
+    "fsdp2-gloo",
 ]
 
 
@@ -69,10 +71,10 @@ def _body(rank, world, config, layers, width, steps):
     import dsparallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("dsp")
+    dist.init_process_group("gloo" if config.endswith("gloo") else "dsp")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    if config == "fsdp2":
+    if config.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -204,6 +206,10 @@ def main():
                     f"{step / torch_zero:.2f}x torch DDP + torch ZeroRedundancyOptimizer "
                     f"({step / fused:.2f}x the same with fused=True)"
                 )
+            if (world, "fsdp2-gloo") in results:
+                over_gloo = results[(world, "fsdp2-gloo")][0]["step"]
+                step = results[(world, "fsdp2")][0]["step"]
+                print(f"FSDP2 step time over dsp: {step / over_gloo:.2f}x over gloo")
             print(
                 "stage 2 per rank / (plain / N): opt state "
                 f"{[round(x['state'] / (plain['state'] / world), 4) for x in z2]}, grads "

@@ -519,10 +519,6 @@ void Reducer::launchReadyLocked() {
   }
 }
 
-// CPU tensors of a one-host "dsp" group: reduced over our shared memory, on
-// our worker thread, which never frees a gradient's Python object (gloo's and
-// NCCL's threads, serving groups across hosts and CUDA tensors, could, and a
-// non-Python thread freeing one as the interpreter exits aborts the process).
 // The shard's version counter: moves with every write through ATen (an
 // optimizer clipping it, a zero_), not with the backend's writes into it.
 int64_t Reducer::shardVersion(const Bucket& b) {
@@ -530,6 +526,10 @@ int64_t Reducer::shardVersion(const Bucket& b) {
       torch::autograd::impl::version_counter(b.shard).current_version());
 }
 
+// CPU tensors of a one-host "dsp" group: reduced over our shared memory, on
+// our worker thread, which never frees a gradient's Python object (gloo's and
+// NCCL's threads, serving groups across hosts and CUDA tensors, could, and a
+// non-Python thread freeing one as the interpreter exits aborts the process).
 bool Reducer::dspSharedMemory(const at::Tensor& t) const {
   const auto* dsp = dspBackend(t);
   return dsp != nullptr && t.device().is_cpu() && !dsp->multiHost();
