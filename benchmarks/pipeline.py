@@ -14,7 +14,10 @@ span); the median over the timed steps, with its range) next to the planned
 one (the C++ simulator run with the mean measured F, B, I and W times of
 that schedule), and the first stage's peak activation memory: bytes of
 distinct storages held by autograd for backward (tensors saved through
-saved_tensors_hooks), measured the same way for both. The last line sets
+saved_tensors_hooks), measured the same way for both; for ours, next to the
+schedule's bound for that rank (its planned peak of micro-batches in flight
+times what one micro-batch adds to a stage, plus what is saved once: the
+weights and the batch's storage). The last line sets
 ZB-H1's measured step time against our 1F1B's next to the planned ratio.
 """
 
@@ -57,6 +60,40 @@ def _stage_module(index, width, blocks):
 
     torch.manual_seed(index)
     return nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def _saved_by_forwards(forward, inputs) -> int:
+    """Peak bytes autograd saves for backward over ``forward(k, input)`` of
+    each input, all kept."""
+    import torch
+
+    meter = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+        outs = [forward(k, t.detach().requires_grad_()) for k, t in enumerate(inputs)]
+    del outs
+    return meter.peak
+
+
+def _stage_forward(module, loss_fn, targets):
+    """forward(k, t) of one stage on micro-batch k; the last stage adds its loss."""
+    if loss_fn is None:
+        return lambda k, t: module(t)
+    return lambda k, t: loss_fn(module(t), targets[k])
+
+
+def _memory_bound(forwards, micro_batches, peak_in_flight) -> int:
+    """The schedule's activation bound in bytes for this rank: what its stages
+    save once whatever the micro-batch count (weights, the target's storage),
+    plus ``peak_in_flight`` (from the C++ plan) times the most one
+    micro-batch adds to one stage (the second forward's extra bytes; the last
+    stage's forward includes the loss)."""
+    once, per_micro_batch = 0, 0
+    for forward in forwards:
+        one = _saved_by_forwards(forward, micro_batches[:1])
+        two = _saved_by_forwards(forward, micro_batches[:2])
+        per_micro_batch = max(per_micro_batch, two - one)
+        once += one - (two - one)
+    return once + peak_in_flight * per_micro_batch
 
 
 def _worker(rank, world, args):
@@ -115,13 +152,13 @@ def _worker(rank, world, args):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 step()
             traces_of.clear()  # keep the timed steps only
-            configs[(lib, name)] = (step, traces_of, saved.peak)
+            configs[(lib, name)] = (step, traces_of, saved.peak, modules)
 
-    steppers = {k: step for k, (step, _, _) in configs.items()}
+    steppers = {k: step for k, (step, *_) in configs.items()}
     rounds = interleaved_rounds(steppers, ROUNDS, max(1, args.steps // ROUNDS))
     samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     rows, traces = [], {}
-    for (lib, name), (_step, traces_of, peak) in configs.items():
+    for (lib, name), (_step, traces_of, peak, modules) in configs.items():
         row = {
             "lib": lib,
             "schedule": name,
@@ -145,6 +182,13 @@ def _worker(rank, world, args):
             plan = plan.validate(costs=costs)
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
+            n_stages = 2 * world if v else world
+            indices = [rank, n_stages - 1 - rank] if v else [rank]
+            forwards = [
+                _stage_forward(mod, loss_fn if i == n_stages - 1 else None, y.chunk(m))
+                for mod, i in zip(modules, indices)
+            ]
+            row["memory_bound"] = _memory_bound(forwards, x.chunk(m), plan.peak_in_flight[rank])
             traces[name] = steps[median_step]  # the step of median bubble
         rows.append(row)
     if rank == 0 and args.timeline:
@@ -173,7 +217,7 @@ def main():
     )
     print(
         f"{'library':>11} {'schedule':>9} {'step ms':>9} {'vs torch':>9} "
-        f"{'bubble meas/plan':>17} {'(range)':>13} {'peak saved MB':>14}"
+        f"{'bubble meas/plan':>17} {'(range)':>13} {'peak saved MB':>14} {'bound MB':>9}"
     )
     ref = {r["schedule"]: r["step_s"] for r in rows if r["lib"] == "torch"}
     for r in rows:
@@ -185,7 +229,8 @@ def main():
         print(
             f"{r['lib']:>11} {r['schedule']:>9} {r['step_s'] * 1e3:>9.1f} "
             f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} {spread:>13} "
-            f"{r['peak_saved_bytes'] / 2**20:>14.2f}"
+            f"{r['peak_saved_bytes'] / 2**20:>14.2f} "
+            + (f"{r['memory_bound'] / 2**20:>9.2f}" if "memory_bound" in r else f"{'-':>9}")
         )
     ours = {r["schedule"]: r for r in rows if r["lib"] == "dsparallel"}
     for name, r in ours.items():
