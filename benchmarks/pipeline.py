@@ -152,13 +152,18 @@ def _worker(rank, world, args):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 step()
             traces_of.clear()  # keep the timed steps only
-            configs[(lib, name)] = (step, traces_of, saved.peak, modules)
+            # Each local stage's forward on one micro-batch, for the memory bound.
+            forwards = [
+                _stage_forward(mod, loss_fn if i == n_stages - 1 else None, y.chunk(m))
+                for mod, i in zip(modules, indices)
+            ]
+            configs[(lib, name)] = (step, traces_of, saved.peak, forwards)
 
     steppers = {k: step for k, (step, *_) in configs.items()}
     rounds = interleaved_rounds(steppers, ROUNDS, max(1, args.steps // ROUNDS))
     samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     rows, traces = [], {}
-    for (lib, name), (_step, traces_of, peak, modules) in configs.items():
+    for (lib, name), (_step, traces_of, peak, forwards) in configs.items():
         row = {
             "lib": lib,
             "schedule": name,
@@ -182,12 +187,6 @@ def _worker(rank, world, args):
             plan = plan.validate(costs=costs)
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
-            n_stages = 2 * world if v else world
-            indices = [rank, n_stages - 1 - rank] if v else [rank]
-            forwards = [
-                _stage_forward(mod, loss_fn if i == n_stages - 1 else None, y.chunk(m))
-                for mod, i in zip(modules, indices)
-            ]
             row["memory_bound"] = _memory_bound(forwards, x.chunk(m), plan.peak_in_flight[rank])
             traces[name] = steps[median_step]  # the step of median bubble
         rows.append(row)

@@ -124,9 +124,9 @@ def _body(rank, world, config, layers, width, steps):
     if config == "ours-zero2-overlap":
         wrapped.wait_param_gather()
     params = sum(_bytes(p) for p in model.parameters())
-    staging = wrapped.reducer.staging_bytes if config.startswith("ours-zero2") else 0
-    bucket = 0
+    staging = bucket = 0
     if config.startswith("ours-zero2"):
+        staging = wrapped.reducer.staging_bytes
         bucket = max(wrapped.reducer.padded_numels()) * model[0].weight.element_size()
     row = {
         "params": params,
