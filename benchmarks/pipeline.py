@@ -1,13 +1,14 @@
 """Pipeline step time, bubble and activation memory: dsparallel's schedules
 against torch.distributed.pipelining on the same model and backend, in one run.
 
-    python benchmarks/pipeline.py [--micro-batches 8] [--steps 20] [--timeline t.png]
+    python benchmarks/pipeline.py [--ranks 2] [--micro-batches 8] [--steps 20] [--timeline t.png]
 
-Two ranks (an MLP of 4 blocks: two stages of two blocks, or for the
-V-shaped schedules four stages of one block, rank r holding stages r and
-3 - r). For GPipe, 1F1B, zero-bubble ZB-H1 (torch's
-ScheduleInterleavedZeroBubble with one stage per rank, ours "zb1p"), ZBV
-and DualPipeV under both libraries it reports the median step
+``--ranks`` processes (an MLP of two blocks per rank: one stage of two
+blocks per rank, or for the V-shaped schedules two stages of one block,
+rank r holding stages r and 2 x ranks - 1 - r). For GPipe, 1F1B,
+zero-bubble ZB-H1 (torch's ScheduleInterleavedZeroBubble with one stage
+per rank, ours "zb1p"), ZBV and DualPipeV under both libraries it reports
+the median step
 time (slowest rank; the six configurations timed in interleaved rounds),
 the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
 span); the median over the timed steps, with its range) next to the planned
@@ -17,8 +18,11 @@ distinct storages held by autograd for backward (tensors saved through
 saved_tensors_hooks), measured the same way for both; for ours, next to the
 schedule's bound for that rank (its planned peak of micro-batches in flight
 times what one micro-batch adds to a stage, plus what is saved once: the
-weights and the batch's storage). The last line sets
-ZB-H1's measured step time against our 1F1B's next to the planned ratio.
+weights and the batch's storage). For the split
+schedules it says which share of the backward time was W (deferred) and
+which parameters, if any, had their gradient computed inside I. The last
+lines set each split schedule's measured step time against our 1F1B's next
+to the planned ratio.
 """
 
 from __future__ import annotations
@@ -157,13 +161,13 @@ def _worker(rank, world, args):
                 _stage_forward(mod, loss_fn if i == n_stages - 1 else None, y.chunk(m))
                 for mod, i in zip(modules, indices)
             ]
-            configs[(lib, name)] = (step, traces_of, saved.peak, forwards)
+            configs[(lib, name)] = (step, traces_of, saved.peak, forwards, sched)
 
     steppers = {k: step for k, (step, *_) in configs.items()}
     rounds = interleaved_rounds(steppers, ROUNDS, max(1, args.steps // ROUNDS))
     samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     rows, traces = [], {}
-    for (lib, name), (_step, traces_of, peak, forwards) in configs.items():
+    for (lib, name), (_step, traces_of, peak, forwards, sched) in configs.items():
         row = {
             "lib": lib,
             "schedule": name,
@@ -189,6 +193,10 @@ def _worker(rank, world, args):
             row["planned_makespan"] = plan.makespan
             row["memory_bound"] = _memory_bound(forwards, x.chunk(m), plan.peak_in_flight[rank])
             traces[name] = steps[median_step]  # the step of median bubble
+            # Of the last step: every rank's share of its backward deferred to W.
+            shares = [None] * world
+            dist.all_gather_object(shares, sched.split_report())
+            row["split"] = {s: e for per_rank in shares for s, e in per_rank.items()}
         rows.append(row)
     if rank == 0 and args.timeline:
         pp.plot_schedule(traces["1f1b"], args.timeline)
@@ -201,6 +209,7 @@ def _worker(rank, world, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--width", type=int, default=512)
@@ -208,9 +217,10 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--timeline", default="pipeline_1f1b_timeline.png")
     args = ap.parse_args()
-    rows = run_ranks(_worker, 2, args)
+    rows = run_ranks(_worker, args.ranks, args)
     print(
-        f"2 stages, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}"
+        f"{args.ranks} ranks ({args.ranks} stages, {2 * args.ranks} for zbv and dualpipev), "
+        f"{args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}"
         f", width {args.width}, median of {args.steps} steps per configuration in "
         f"{ROUNDS} interleaved rounds; memory: first stage"
     )
@@ -237,6 +247,18 @@ def main():
         print(
             f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
             f"(planned {r['bubble_planned']:.1%})"
+        )
+    for name in ("zb1p", "zbv", "dualpipev"):
+        split = ours[name]["split"]
+        share = sum(e["weight_s"] for e in split.values()) / sum(
+            e["backward_s"] + e["weight_s"] for e in split.values()
+        )
+        kept = sorted({n for e in split.values() for n in e["not_deferred"]})
+        per_stage = ", ".join(f"{split[s]['deferred_share']:.0%}" for s in sorted(split))
+        print(
+            f"our {name}: W is {share:.0%} of the backward time (all stages, last step; "
+            f"per stage {per_stage})"
+            f"; computed inside I, not deferred: {', '.join(kept) or 'nothing'}"
         )
     for name in ("zb1p", "zbv", "dualpipev"):
         print(

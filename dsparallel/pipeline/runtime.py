@@ -39,6 +39,7 @@ from ..ddp import DistributedDataParallel
 from .schedule import get_schedule
 from .split import SplitLinears
 from .stage import PipelineStage
+from .timeline import parse_action
 
 
 def _is_ddp(module) -> bool:
@@ -87,6 +88,11 @@ class _PipelineSchedule:
         # or (split backward) a W; DualPipeV mixes both in one stage.
         self._sync_at = {a.stage: (a.kind, a.microbatch) for a in self.actions if a.kind in "BW"}
         self._split_backward = any(a.kind == "W" for a in self.actions)
+        # Which backwards of this rank are I's (DualPipeV mixes them with full
+        # B's), and per stage the parameters whose gradient an I computed
+        # itself instead of deferring it (found on each stage's first I).
+        self._input_only = {(a.stage, a.microbatch) for a in self.actions if a.kind == "I"}
+        self._not_deferred: dict[int, list[str]] = {}
         self._runtime = _C.PipelineRuntime(
             self.actions,
             self.num_stages,
@@ -136,10 +142,15 @@ class _PipelineSchedule:
                     slot.output, slot.loss = self._compute(stage, slot)
             if _is_ddp(stage.submod) and self._sync_at.get(s) == ("B", mb):
                 stage.submod.prepare_for_backward([slot.output])
+            watch = (s, mb) in self._input_only and s not in self._not_deferred
+            before = _grad_marks(stage.submod) if watch else None
             if stage.is_last:
                 torch.autograd.backward(slot.loss / m)
             else:
                 torch.autograd.backward(slot.output, grad_output)
+            if watch:
+                after = _grad_marks(stage.submod)
+                self._not_deferred[s] = [k for k in after if _changed(before[k], after[k])]
             return None if stage.is_first else slot.args[0].grad
 
         def weight(s, mb):
@@ -159,6 +170,42 @@ class _PipelineSchedule:
         clock of ``time.perf_counter``: for gather_trace / plot_schedule and
         the measured bubble."""
         return list(self._runtime.trace)
+
+    def split_report(self) -> dict[int, dict]:
+        """How much of each local stage's backward the last step deferred to
+        W (split schedules; empty for the others). Per stage index:
+
+        - ``backward_s``: the time of its I and full B actions, ``weight_s``:
+          of its W actions (seconds, from ``trace``);
+        - ``deferred_share``: ``weight_s / (backward_s + weight_s)``, the part
+          of the stage's backward the schedule could move into bubbles;
+        - ``not_deferred``: the names of parameters whose gradient was
+          computed inside I (modules that do not route their weight
+          gradient through :func:`split_linear`: still correct, only not
+          deferred), and ``not_deferred_numel``: their share of the stage's
+          trainable elements. Opt such a module in with ``split_linear``.
+        """
+        if not self._split_backward:
+            return {}
+        report = {}
+        for s, stage in self.stages.items():
+            times = {"B": 0.0, "I": 0.0, "W": 0.0}
+            for text, start, end in self._runtime.trace:
+                stage_of, kind, _ = parse_action(text)
+                if stage_of == s and kind in times:
+                    times[kind] += end - start
+            backward, weight = times["B"] + times["I"], times["W"]
+            names = self._not_deferred.get(s, [])
+            params = dict(stage.submod.named_parameters())
+            total = sum(p.numel() for p in params.values() if p.requires_grad)
+            report[s] = {
+                "backward_s": backward,
+                "weight_s": weight,
+                "deferred_share": weight / (backward + weight) if backward + weight else 0.0,
+                "not_deferred": names,
+                "not_deferred_numel": sum(params[n].numel() for n in names) / max(1, total),
+            }
+        return report
 
     def _split(self, tensors, what):
         m = self.n_microbatches
@@ -180,6 +227,20 @@ class _PipelineSchedule:
             out = stage.submod(*slot.args)
         loss = self.loss_fn(out, *slot.targets) if stage.is_last else None
         return out, loss
+
+
+def _grad_marks(module) -> dict:
+    """Per trainable parameter, its gradient and that gradient's version now:
+    a backward that adds to it replaces the tensor or bumps the version."""
+    return {
+        name: (p.grad, None if p.grad is None else p.grad._version)
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _changed(before, after) -> bool:
+    return before[0] is not after[0] or before[1] != after[1]
 
 
 class ScheduleGPipe(_PipelineSchedule):

@@ -29,7 +29,7 @@ def bubble(trace: list[list[tuple[str, float, float]]]) -> float:
     return 1.0 - busy / (len(trace) * (t1 - t0))
 
 
-def _parse(text: str) -> tuple[int, str, int]:
+def parse_action(text: str) -> tuple[int, str, int]:
     """ "1I3" -> (1, "I", 3)."""
     i = len(text) - len(text.lstrip("0123456789"))
     j = len(text.rstrip("0123456789"))
@@ -53,7 +53,7 @@ def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, f
     ends = {}
     for rank in trace:
         for text, _, e in rank:
-            ends[_parse(text)] = e
+            ends[parse_action(text)] = e
     spans = [(s, e) for rank in trace for _, s, e in rank]
     if not spans:
         return {"wait": 0.0, "overhead": 0.0, "tail": 0.0}
@@ -63,7 +63,7 @@ def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, f
     for rank in trace:
         prev = t0
         for text, start, end in rank:
-            stage, kind, mb = _parse(text)
+            stage, kind, mb = parse_action(text)
             if kind == "F":
                 deps = [ends.get((stage - 1, "F", mb))] if stage > 0 else []
             elif kind == "W":

@@ -385,3 +385,42 @@ def test_v_schedules_refuse_bad_shapes():
         pp.ScheduleZBVZeroBubble([object()], 4)
     with pytest.raises(ValueError, match="needs two stages per rank, got 3"):
         pp.ScheduleDualPipeV([object()] * 3, 8)
+
+
+class _Scale(nn.Module):
+    """A parameter that reaches the loss without F.linear: its gradient cannot
+    be deferred."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _split_report_body(rank, world, name):
+    torch.manual_seed(0)
+    stage = pp.PipelineStage(nn.Sequential(nn.Linear(6, 6), _Scale(6)), rank, world)
+    cls = pp.ScheduleInterleavedZeroBubble if name == "zb1p" else pp.Schedule1F1B
+    sched = cls(stage, 4, loss_fn=nn.functional.mse_loss)
+    x, y = _data()
+    _step_two_stages(sched, rank, x, y)
+    report = sched.split_report()
+    if name == "1f1b":
+        assert report == {}
+        return
+    entry = report[rank]
+    assert entry["not_deferred"] == ["1.scale"], entry
+    assert entry["not_deferred_numel"] == pytest.approx(6 / (36 + 6 + 6))
+    assert entry["backward_s"] > 0 and entry["weight_s"] > 0
+    share = entry["weight_s"] / (entry["backward_s"] + entry["weight_s"])
+    assert entry["deferred_share"] == pytest.approx(share)
+
+
+@pytest.mark.parametrize("name", ["zb1p", "1f1b"])
+def test_split_report_names_what_was_not_deferred(name):
+    """split_report: the Linear's weight and bias wait for W, the elementwise
+    scale is computed inside I and named; W's share of the backward time is
+    measured; schedules without W report nothing."""
+    run_ranks(_split_report_body, 2, name)
