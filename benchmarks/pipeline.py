@@ -12,8 +12,8 @@ the median step
 time (slowest rank; the six configurations timed in interleaved rounds),
 the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
 span); the median over the timed steps, with its range) next to the planned
-one (the C++ simulator run with the mean measured F, B, I and W times of
-that schedule), and the first stage's peak activation memory: bytes of
+one (the C++ simulator run with each stage's mean measured F, B, I and W
+times in that schedule), and the first stage's peak activation memory: bytes of
 distinct storages held by autograd for backward (tensors saved through
 saved_tensors_hooks), measured the same way for both; for ours, next to the
 schedule's bound for that rank (its planned peak of micro-batches in flight
@@ -48,14 +48,23 @@ SCHEDULES = {
 V_SHAPED = ("zbv", "dualpipev")
 
 
-def _mean_costs(entries) -> tuple[int, int, int, int]:
-    """Mean measured (F, B, I, W) durations in microseconds (1 where absent)."""
+def _mean_costs(entries, n_stages) -> list[tuple[int, int, int, int]]:
+    """Per stage, the mean measured (F, B, I, W) durations in microseconds
+    (1 where absent): stages differ (the first computes no input gradient,
+    the last adds the loss)."""
+    from dsparallel.pipeline.timeline import parse_action
+
     per_kind = {}
     for name, start, end in entries:
-        per_kind.setdefault(name.lstrip("0123456789")[:1], []).append(end - start)
-    return tuple(
-        max(1, round(1e6 * statistics.mean(per_kind[k]))) if k in per_kind else 1 for k in "FBIW"
-    )
+        stage, kind, _ = parse_action(name)
+        per_kind.setdefault((stage, kind), []).append(end - start)
+    return [
+        tuple(
+            max(1, round(1e6 * statistics.mean(per_kind[(s, k)]))) if (s, k) in per_kind else 1
+            for k in "FBIW"
+        )
+        for s in range(n_stages)
+    ]
 
 
 def _stage_module(index, width, blocks):
@@ -185,9 +194,11 @@ def _worker(rank, world, args):
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
             row["breakdown"] = pp.bubble_breakdown(steps[median_step])
-            costs = _mean_costs([e for t in steps for rank_trace in t for e in rank_trace])
             v = name in V_SHAPED
-            plan = pp.get_schedule(name, 2 * world if v else world, m, 2 if v else 1)
+            n_stages = 2 * world if v else world
+            entries = [e for t in steps for rank_trace in t for e in rank_trace]
+            costs = _mean_costs(entries, n_stages)
+            plan = pp.get_schedule(name, n_stages, m, 2 if v else 1)
             plan = plan.validate(costs=costs)
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
@@ -265,7 +276,7 @@ def main():
             f"our {name} / our 1f1b step time: "
             f"{ours[name]['step_s'] / ours['1f1b']['step_s']:.3f} measured, "
             f"{ours[name]['planned_makespan'] / ours['1f1b']['planned_makespan']:.3f} planned "
-            "(from each schedule's measured F, B, I, W)"
+            "(from each schedule's measured per-stage F, B, I, W)"
         )
     if args.timeline:
         print(

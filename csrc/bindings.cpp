@@ -183,7 +183,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_ranks", &pp::Schedule::num_ranks)
       .def_readonly("num_microbatches", &pp::Schedule::num_microbatches)
       .def_readonly("ranks", &pp::Schedule::ranks)
-      // costs: (F, B, I, W) durations in any integer unit (default: one slot each).
+      // costs: (F, B, I, W) durations in any integer unit (default: one slot
+      // each), or a list of them, one per stage.
       .def(
           "validate",
           [](const pp::Schedule& s, std::optional<std::tuple<int, int, int, int>> costs) {
@@ -191,7 +192,19 @@ PYBIND11_MODULE(_C, m) {
             if (costs) std::tie(c.forward, c.backward, c.input, c.weight) = *costs;
             return pp::validate(s, c);
           },
-          py::arg("costs") = std::nullopt);
+          py::arg("costs") = std::nullopt)
+      .def(
+          "validate",
+          [](const pp::Schedule& s,
+             const std::vector<std::tuple<int, int, int, int>>& costs) {
+            std::vector<pp::Costs> per_stage(costs.size());
+            for (size_t i = 0; i < costs.size(); ++i) {
+              auto& c = per_stage[i];
+              std::tie(c.forward, c.backward, c.input, c.weight) = costs[i];
+            }
+            return pp::validate(s, per_stage);
+          },
+          py::arg("costs"));
   py::class_<dsparallel::pipeline::Runtime>(m, "PipelineRuntime")
       .def(py::init([](std::vector<pp::Action> actions, int stages, int ranks, int mbs,
                        c10::intrusive_ptr<c10d::ProcessGroup> group,

@@ -51,6 +51,26 @@ TEST(PipelineSchedule, ZeroBubbleH1MatchesThePaper) {
   EXPECT_EQ(validate(makeSchedule("1f1b", 2, 8), paper).makespan, 27);
 }
 
+// Per-stage costs: the same as one cost when all are equal; otherwise each
+// stage's own durations place the waits. GPipe, 2 stages, 2 micro-batches,
+// stage 1 twice as slow: rank 1 runs F [1,3) [3,5), B [5,7) [7,9); rank 0
+// runs F [0,1) [1,2) and each B after rank 1's: [7,8), [9,10).
+TEST(PipelineSchedule, PerStageCostsPlaceTheWaits) {
+  const Schedule g = makeSchedule("gpipe", 2, 2);
+  const ScheduleStats slow = validate(g, std::vector<Costs>{{1, 1, 1, 1}, {2, 2, 1, 1}});
+  EXPECT_EQ(slow.makespan, 10);
+  EXPECT_EQ(slow.start_slots[0][0], 0);
+  EXPECT_NEAR(slow.bubble, 1.0 - (4.0 + 8.0) / 20.0, 1e-12);
+  const Costs paper{1, 2, 1, 1};
+  for (const char* name : {"1f1b", "zb1p"}) {
+    const Schedule s = makeSchedule(name, 4, 8);
+    EXPECT_EQ(validate(s, std::vector<Costs>(4, paper)).makespan,
+              validate(s, paper).makespan)
+        << name;
+  }
+  EXPECT_THROW(validate(g, std::vector<Costs>(3)), std::invalid_argument);
+}
+
 // ZBV with F = I = W = 1 slot per stage (a stage is half of a ZB-H1
 // stage): every rank does 6m slots of work and the last rank can start only
 // after the p - 1 forwards ahead of it, so 6m + (p - 1) is the least any

@@ -25,6 +25,11 @@ def test_get_schedule_from_python():
     assert stats.peak_in_flight == [4, 3, 2, 1]
     assert stats.bubble == pytest.approx(3 / 11)
     assert pp.get_schedule("gpipe", 4, 8).validate().peak_in_flight == [8] * 4
+    # Per-stage costs (F, B, I, W): the last of two stages twice as slow.
+    gpipe = pp.get_schedule("gpipe", 2, 2)
+    assert gpipe.validate(costs=[(1, 1, 1, 1), (2, 2, 1, 1)]).makespan == 10
+    with pytest.raises(ValueError, match="1 stages, the schedule has 2"):
+        gpipe.validate(costs=[(1, 1, 1, 1)])
     inter = pp.get_schedule("interleaved_1f1b", 4, 4, stages_per_rank=2)
     assert {a.stage for a in inter.ranks[0]} == {0, 2}
     assert pp.Action.parse("2SEND_B5").kind == "SEND_B"

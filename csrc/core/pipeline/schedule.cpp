@@ -396,7 +396,15 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
 // validation: structure first, then a unit-time simulation of all ranks
 
 ScheduleStats validate(const Schedule& s, const Costs& costs) {
+  return validate(s, std::vector<Costs>(std::max(0, s.num_stages), costs));
+}
+
+ScheduleStats validate(const Schedule& s, const std::vector<Costs>& costs) {
   const int S = s.num_stages, R = s.num_ranks, M = s.num_microbatches;
+  if (static_cast<int>(costs.size()) != S) {
+    fail("costs are given for " + num(static_cast<int>(costs.size())) +
+         " stages, the schedule has " + num(S));
+  }
   if (R < 1 || S < 1 || M < 1 || static_cast<int>(s.ranks.size()) != R) {
     fail("schedule has " + num(static_cast<int>(s.ranks.size())) + " rank lists for " +
          num(R) + " ranks");
@@ -529,7 +537,7 @@ ScheduleStats validate(const Schedule& s, const Costs& costs) {
         if (ready < 0) break;  // blocked: wait for another rank
         if (isCompute(a.type)) {
           const int start = std::max(clock[r], ready);
-          const int end = start + costOf(a.type, costs);
+          const int end = start + costOf(a.type, costs[a.stage]);
           stats.start_slots[r][pc[r]] = start;
           clock[r] = end;
           if (a.type == ActionType::kForward) {
@@ -567,7 +575,7 @@ ScheduleStats validate(const Schedule& s, const Costs& costs) {
   }
   int busy = 0;
   for (int r = 0; r < R; ++r) {
-    for (const Action& a : s.ranks[r]) busy += costOf(a.type, costs);
+    for (const Action& a : s.ranks[r]) busy += costOf(a.type, costs[a.stage]);
     stats.makespan = std::max(stats.makespan, clock[r]);
   }
   stats.bubble =

@@ -100,5 +100,9 @@ struct ScheduleStats {
 // backward before its forward, a W before its I, a send without receive, a
 // deadlock naming the stuck actions) and returns its statistics.
 ScheduleStats validate(const Schedule& s, const Costs& costs = Costs{});
+// The same with each stage's own costs (`per_stage[stage]`; one entry per
+// stage): stages differ (the first computes no input gradient, the last adds
+// the loss), and a plan from one mean cost misplaces the waits they cause.
+ScheduleStats validate(const Schedule& s, const std::vector<Costs>& per_stage);
 
 }  // namespace dsp::pipeline
