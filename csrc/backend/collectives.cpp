@@ -86,14 +86,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce(
   auto info = callInfo(Collective::kAllReduce, t,
                        checkedReduceOp(opts.reduceOp, dt, "all_reduce"));
   if (hierarchical()) {
-    return enqueue(c10d::OpType::ALLREDUCE, nullptr, tensors,
-                   [this, t, op = opts.reduceOp] { hierarchicalAllReduce(t, op); });
+    return enqueue(
+        c10d::OpType::ALLREDUCE, nullptr, tensors,
+        [this, t, op = opts.reduceOp] { hierarchicalAllReduce(t, op); }, blocking(opts));
   }
-  return enqueue(c10d::OpType::ALLREDUCE, nullptr, tensors, [this, t, info] {
-    Staged s(t);
-    comm_->allReduce(s.ptr(), s.ptr(), s.count(), info);
-    s.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::ALLREDUCE, nullptr, tensors,
+      [this, t, info] {
+        Staged s(t);
+        comm_->allReduce(s.ptr(), s.ptr(), s.count(), info);
+        s.copyBack();
+      },
+      blocking(opts));
 }
 
 // One all-reduce over all the tensors taken as one array: one
@@ -126,35 +130,39 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allreduce_coalesced(
     // Across hosts: one flat buffer, so that the lot crosses the network as
     // one hierarchical all-reduce (its slices split evenly among the host's
     // ranks), not one per tensor.
-    return enqueue(c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
-                   [this, tensors, op = opts.reduceOp] {
-                     std::vector<at::Tensor> flat_views;
-                     for (const auto& t : tensors) flat_views.push_back(t.reshape({-1}));
-                     at::Tensor flat = at::cat(flat_views);
-                     hierarchicalAllReduce(flat, op);
-                     int64_t off = 0;
-                     for (const auto& t : tensors) {
-                       t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
-                       off += t.numel();
-                     }
-                   });
+    return enqueue(
+        c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
+        [this, tensors, op = opts.reduceOp] {
+          std::vector<at::Tensor> flat_views;
+          for (const auto& t : tensors) flat_views.push_back(t.reshape({-1}));
+          at::Tensor flat = at::cat(flat_views);
+          hierarchicalAllReduce(flat, op);
+          int64_t off = 0;
+          for (const auto& t : tensors) {
+            t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+            off += t.numel();
+          }
+        },
+        blocking(opts));
   }
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
-                 [this, tensors, info] {
-                   // In place, tensor by tensor: no packing copy in or out
-                   // (only a non-contiguous tensor is staged).
-                   std::vector<Staged> staged = stageAll(tensors);
-                   std::vector<void*> ptrs;
-                   std::vector<size_t> counts;
-                   for (const auto& s : staged) {
-                     ptrs.push_back(s.ptr());
-                     counts.push_back(s.count());
-                   }
-                   comm_->allReduce(dsp::BufferList(std::move(ptrs), std::move(counts),
-                                                    tensors[0].element_size()),
-                                    info);
-                   for (auto& s : staged) s.copyBack();
-                 });
+  return enqueue(
+      c10d::OpType::ALLREDUCE_COALESCED, nullptr, tensors,
+      [this, tensors, info] {
+        // In place, tensor by tensor: no packing copy in or out
+        // (only a non-contiguous tensor is staged).
+        std::vector<Staged> staged = stageAll(tensors);
+        std::vector<void*> ptrs;
+        std::vector<size_t> counts;
+        for (const auto& s : staged) {
+          ptrs.push_back(s.ptr());
+          counts.push_back(s.count());
+        }
+        comm_->allReduce(dsp::BufferList(std::move(ptrs), std::move(counts),
+                                         tensors[0].element_size()),
+                         info);
+        for (auto& s : staged) s.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
@@ -165,18 +173,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::broadcast(
   checkRoot(opts.rootRank, getSize(), "broadcast");
   if (hierarchical()) {
     checkedDType(t, "broadcast");
-    return enqueue(c10d::OpType::BROADCAST, nullptr, tensors,
-                   [this, t, root = static_cast<int>(opts.rootRank)] {
-                     hierarchicalBroadcast(t, root);
-                   });
+    return enqueue(
+        c10d::OpType::BROADCAST, nullptr, tensors,
+        [this, t, root = static_cast<int>(opts.rootRank)] {
+          hierarchicalBroadcast(t, root);
+        },
+        blocking(opts));
   }
   auto info = callInfo(Collective::kBroadcast, t, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
-  return enqueue(c10d::OpType::BROADCAST, nullptr, tensors, [this, t, info] {
-    Staged s(t);
-    comm_->broadcast(s.ptr(), s.bytes(), info);
-    s.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::BROADCAST, nullptr, tensors,
+      [this, t, info] {
+        Staged s(t);
+        comm_->broadcast(s.ptr(), s.bytes(), info);
+        s.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(std::vector<at::Tensor>& tensors,
@@ -188,11 +201,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce(std::vector<at::Tensor>& 
   auto info =
       callInfo(Collective::kReduce, t, checkedReduceOp(opts.reduceOp, dt, "reduce"),
                static_cast<int>(opts.rootRank));
-  return enqueue(c10d::OpType::REDUCE, nullptr, tensors, [this, t, info] {
-    Staged s(t);
-    comm_->reduce(s.ptr(), s.ptr(), s.count(), info);
-    if (getRank() == info.root) s.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::REDUCE, nullptr, tensors,
+      [this, t, info] {
+        Staged s(t);
+        comm_->reduce(s.ptr(), s.ptr(), s.count(), info);
+        if (getRank() == info.root) s.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
@@ -207,16 +223,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::allgather(
   auto info = callInfo(Collective::kAllGather, in);
   auto outs = outputs[0];
   if (hierarchical()) {
-    return enqueue(c10d::OpType::ALLGATHER, nullptr, outs,
-                   [this, in, outs] { hierarchicalAllGather(in, outs); });
+    return enqueue(
+        c10d::OpType::ALLGATHER, nullptr, outs,
+        [this, in, outs] { hierarchicalAllGather(in, outs); }, blocking(opts));
   }
-  return enqueue(c10d::OpType::ALLGATHER, nullptr, outs, [this, in, outs, info] {
-    Staged src(in);
-    auto staged = stageAll(outs);
-    auto ptrs = pointers(staged);
-    comm_->allGather(src.ptr(), src.bytes(), ptrs.data(), info);
-    for (auto& s : staged) s.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::ALLGATHER, nullptr, outs,
+      [this, in, outs, info] {
+        Staged src(in);
+        auto staged = stageAll(outs);
+        auto ptrs = pointers(staged);
+        comm_->allGather(src.ptr(), src.bytes(), ptrs.data(), info);
+        for (auto& s : staged) s.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
@@ -242,23 +262,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_allgather_base(
               " x input ", input.sizes(), "), got ", output.scalar_type(), " ",
               output.sizes());
   if (hierarchical()) {
-    return enqueue(c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
-                   [this, input, output] {
-                     hierarchicalAllGather(input, output.view({getSize(), -1}).unbind(0));
-                   });
+    return enqueue(
+        c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
+        [this, input, output] {
+          hierarchicalAllGather(input, output.view({getSize(), -1}).unbind(0));
+        },
+        blocking(opts));
   }
   auto info = callInfo(Collective::kAllGather, input);
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
-                 [this, input, output, info] {
-                   Staged src(input);
-                   Staged dst(output);
-                   std::vector<void*> ptrs;
-                   for (int r = 0; r < getSize(); ++r) {
-                     ptrs.push_back(static_cast<char*>(dst.ptr()) + r * src.bytes());
-                   }
-                   comm_->allGather(src.ptr(), src.bytes(), ptrs.data(), info);
-                   dst.copyBack();
-                 });
+  return enqueue(
+      c10d::OpType::_ALLGATHER_BASE, nullptr, {output},
+      [this, input, output, info] {
+        Staged src(input);
+        Staged dst(output);
+        std::vector<void*> ptrs;
+        for (int r = 0; r < getSize(); ++r) {
+          ptrs.push_back(static_cast<char*>(dst.ptr()) + r * src.bytes());
+        }
+        comm_->allGather(src.ptr(), src.bytes(), ptrs.data(), info);
+        dst.copyBack();
+      },
+      blocking(opts));
 }
 
 // torch's layout: outputs[r][i] receives rank r's inputs[i]. One Work for
@@ -312,13 +336,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::gather(
                              getSize(), "gather");
   auto info = callInfo(Collective::kGather, in, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
-  return enqueue(c10d::OpType::GATHER, nullptr, outs, [this, in, outs, info] {
-    Staged src(in);
-    auto staged = stageAll(outs);
-    auto ptrs = pointers(staged);
-    comm_->gather(src.ptr(), src.bytes(), ptrs.data(), info);
-    for (auto& s : staged) s.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::GATHER, nullptr, outs,
+      [this, in, outs, info] {
+        Staged src(in);
+        auto staged = stageAll(outs);
+        auto ptrs = pointers(staged);
+        comm_->gather(src.ptr(), src.bytes(), ptrs.data(), info);
+        for (auto& s : staged) s.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
@@ -331,14 +358,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::scatter(
                             getSize(), "scatter");
   auto info = callInfo(Collective::kScatter, out, dsp::ReduceOp::kSum,
                        static_cast<int>(opts.rootRank));
-  return enqueue(c10d::OpType::SCATTER, nullptr, outputs, [this, out, ins, info] {
-    auto staged = stageAll(ins);
-    std::vector<const void*> ptrs;
-    for (auto& s : staged) ptrs.push_back(s.ptr());
-    Staged dst(out);
-    comm_->scatter(ptrs.data(), dst.ptr(), dst.bytes(), info);
-    dst.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::SCATTER, nullptr, outputs,
+      [this, out, ins, info] {
+        auto staged = stageAll(ins);
+        std::vector<const void*> ptrs;
+        for (auto& s : staged) ptrs.push_back(s.ptr());
+        Staged dst(out);
+        comm_->scatter(ptrs.data(), dst.ptr(), dst.bytes(), info);
+        dst.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
@@ -355,19 +385,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduce_scatter(
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter"));
   auto ins = inputs[0];
   if (hierarchical()) {
-    return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs,
-                   [this, out, ins, op = opts.reduceOp] {
-                     hierarchicalReduceScatter(ins, out, op);
-                   });
+    return enqueue(
+        c10d::OpType::REDUCE_SCATTER, nullptr, outputs,
+        [this, out, ins, op = opts.reduceOp] { hierarchicalReduceScatter(ins, out, op); },
+        blocking(opts));
   }
-  return enqueue(c10d::OpType::REDUCE_SCATTER, nullptr, outputs, [this, out, ins, info] {
-    auto staged = stageAll(ins);
-    std::vector<const void*> ptrs;
-    for (auto& s : staged) ptrs.push_back(s.ptr());
-    Staged dst(out);
-    comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
-    dst.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::REDUCE_SCATTER, nullptr, outputs,
+      [this, out, ins, info] {
+        auto staged = stageAll(ins);
+        std::vector<const void*> ptrs;
+        for (auto& s : staged) ptrs.push_back(s.ptr());
+        Staged dst(out);
+        comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
+        dst.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
@@ -384,14 +417,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
   auto info = callInfo(Collective::kReduceScatter, output,
                        checkedReduceOp(opts.reduceOp, dt, "reduce_scatter_tensor"));
   if (hierarchical()) {
-    return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
-                   [this, input, output, op = opts.reduceOp] {
-                     hierarchicalReduceScatter(input.reshape({getSize(), -1}).unbind(0),
-                                               output, op);
-                   });
+    return enqueue(
+        c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
+        [this, input, output, op = opts.reduceOp] {
+          hierarchicalReduceScatter(input.reshape({getSize(), -1}).unbind(0), output, op);
+        },
+        blocking(opts));
   }
   return enqueue(
-      c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output}, [this, input, output, info] {
+      c10d::OpType::_REDUCE_SCATTER_BASE, nullptr, {output},
+      [this, input, output, info] {
         Staged src(input);
         Staged dst(output);
         std::vector<const void*> ptrs;
@@ -400,7 +435,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::_reduce_scatter_base(
         }
         comm_->reduceScatter(ptrs.data(), dst.ptr(), dst.count(), info);
         dst.copyBack();
-      });
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::reduceScatterFromList(
@@ -511,19 +547,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall_base(
   dsp::CallInfo info;
   info.kind = Collective::kAllToAll;
   info.dtype = dt;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, nullptr, {output},
-                 [this, input, output, sb, so, rb, ro, info] {
-                   Staged src(input);
-                   Staged dst(output);
-                   std::vector<const void*> ins;
-                   std::vector<void*> outs;
-                   for (int r = 0; r < getSize(); ++r) {
-                     ins.push_back(static_cast<const char*>(src.ptr()) + so[r]);
-                     outs.push_back(static_cast<char*>(dst.ptr()) + ro[r]);
-                   }
-                   comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
-                   dst.copyBack();
-                 });
+  return enqueue(
+      c10d::OpType::ALLTOALL_BASE, nullptr, {output},
+      [this, input, output, sb, so, rb, ro, info] {
+        Staged src(input);
+        Staged dst(output);
+        std::vector<const void*> ins;
+        std::vector<void*> outs;
+        for (int r = 0; r < getSize(); ++r) {
+          ins.push_back(static_cast<const char*>(src.ptr()) + so[r]);
+          outs.push_back(static_cast<char*>(dst.ptr()) + ro[r]);
+        }
+        comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
+        dst.copyBack();
+      },
+      blocking(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
@@ -544,20 +582,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::alltoall(
     TORCH_CHECK(checkedDType(t, "all_to_all") == info.dtype,
                 "dsp all_to_all: all tensors must share one dtype");
   }
-  return enqueue(c10d::OpType::ALLTOALL, nullptr, outputs, [this, inputs, outputs, info] {
-    auto src = stageAll(inputs);
-    auto dst = stageAll(outputs);
-    std::vector<const void*> ins;
-    std::vector<size_t> sb, rb;
-    for (auto& s : src) {
-      ins.push_back(s.ptr());
-      sb.push_back(s.bytes());
-    }
-    for (auto& d : dst) rb.push_back(d.bytes());
-    auto outs = pointers(dst);
-    comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
-    for (auto& d : dst) d.copyBack();
-  });
+  return enqueue(
+      c10d::OpType::ALLTOALL, nullptr, outputs,
+      [this, inputs, outputs, info] {
+        auto src = stageAll(inputs);
+        auto dst = stageAll(outputs);
+        std::vector<const void*> ins;
+        std::vector<size_t> sb, rb;
+        for (auto& s : src) {
+          ins.push_back(s.ptr());
+          sb.push_back(s.bytes());
+        }
+        for (auto& d : dst) rb.push_back(d.bytes());
+        auto outs = pointers(dst);
+        comm_->allToAll(ins.data(), sb.data(), outs.data(), rb.data(), info);
+        for (auto& d : dst) d.copyBack();
+      },
+      blocking(opts));
 }
 
 void ProcessGroupDSP::monitoredBarrier(const c10d::BarrierOptions& opts,
@@ -575,10 +616,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::barrier(
   if (multiHost()) {
     // Queued like any collective, so that it waits for the work already
     // queued on this group before gloo's barrier runs.
-    return enqueue(c10d::OpType::BARRIER, nullptr, {},
-                   [this, opts] { flat("barrier").barrier(opts)->wait(); });
+    return enqueue(
+        c10d::OpType::BARRIER, nullptr, {},
+        [this, opts] { flat("barrier").barrier(opts)->wait(); }, blocking(opts));
   }
-  return enqueue(c10d::OpType::BARRIER, nullptr, {}, [this] { comm_->barrier(); });
+  return enqueue(
+      c10d::OpType::BARRIER, nullptr, {}, [this] { comm_->barrier(); }, blocking(opts));
 }
 
 }  // namespace dsparallel

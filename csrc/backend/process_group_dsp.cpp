@@ -92,6 +92,22 @@ bool WorkDSP::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+DoneWorkDSP::DoneWorkDSP(int rank, c10d::OpType type, const char* profiling_title,
+                         std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type, profiling_title), outputs_(std::move(outputs)) {
+  finish(nullptr);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DoneWorkDSP::getFuture() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()));
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  return future_;
+}
+
 // ---------------------------------------------------------------------------
 // ProcessGroupDSP: set-up and the queue
 
@@ -151,6 +167,8 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.yields = envInt("DSP_YIELDS", options.yields);
   options.p2p_ring_bytes = envBytes("DSP_P2P_RING_BYTES", options.p2p_ring_bytes);
   check_across_hosts_ = envInt("DSP_CHECK_ACROSS_HOSTS", 1) != 0;
+  // 0: blocking calls are queued like the others (for A/B measurements).
+  inline_blocking_ = envInt("DSP_INLINE_BLOCKING", 1) != 0;
   hier_piece_bytes_ =
       static_cast<int64_t>(envBytes("DSP_HIER_PIECE_BYTES", hier_piece_bytes_));
   // The store handed to a backend is already prefixed per group, so each
@@ -221,10 +239,14 @@ ProcessGroupDSP::BatchScope::~BatchScope() { t_batch = previous_; }
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
                                                         const char* title,
                                                         std::vector<at::Tensor> outputs,
-                                                        std::function<void()> run) {
+                                                        std::function<void()> run,
+                                                        bool blocking) {
   if (t_batch != nullptr) {
     t_batch->push_back(std::move(run));
     return {};  // the caller (coalesced) ignores it
+  }
+  if (blocking && inline_blocking_) {
+    if (auto done = runInline(type, title, outputs, run)) return done;
   }
   auto work =
       c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs), std::move(run));
@@ -238,6 +260,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
   }
   cv_.notify_all();
   return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::runInline(
+    c10d::OpType type, const char* title, std::vector<at::Tensor>& outputs,
+    std::function<void()>& run) {
+  std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stop_, "dsp: process group is shutting down");
+    TORCH_CHECK(!comm_->aborted(), comm_->abortReason());
+    // Queued work runs first (collectives run in issue order).
+    if (running_ || !queue_.empty()) return {};
+    running_ = true;
+    finished.swap(finished_);
+  }
+  std::exception_ptr error;
+  try {
+    run();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  run = nullptr;  // drop the captured tensors before returning
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
+    queued = !queue_.empty();  // another thread's, issued meanwhile
+  }
+  if (queued) cv_.notify_all();
+  if (error) std::rethrow_exception(error);
+  return c10::make_intrusive<DoneWorkDSP>(getRank(), type, title, std::move(outputs));
 }
 
 bool ProcessGroupDSP::runOne(std::unique_lock<std::mutex>& lock) {

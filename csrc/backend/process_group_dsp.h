@@ -68,6 +68,21 @@ class WorkDSP : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// A blocking collective that ran on the caller's thread: finished when made.
+class DoneWorkDSP : public c10d::Work {
+ public:
+  DoneWorkDSP(int rank, c10d::OpType type, const char* profiling_title,
+              std::vector<at::Tensor> outputs);
+  bool wait(std::chrono::milliseconds /*timeout*/ = kNoTimeout) override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  // Made on first request: a blocking call's caller rarely asks.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
 // Where this rank sits when the group spans several hosts.
 struct Topology {
   int local_rank = -1;  // among the ranks of this host; -1: a single host
@@ -198,9 +213,23 @@ class ProcessGroupDSP : public c10d::Backend {
   // tensors (one host, small enough); null: gloo does.
   dsp::ShmP2P* shmP2P(const at::Tensor& t);
 
+  // Queues `run` for the worker. A blocking call (`blocking`: torch's
+  // asyncOp false, as dist.* passes without async_op=True, and no timeout
+  // of its own) finding nothing queued or running runs at once on the
+  // caller's thread instead, and returns a finished Work: no hand-off, no
+  // wake-up of the worker, no future to fill.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs,
-                                         std::function<void()> run);
+                                         std::function<void()> run,
+                                         bool blocking = false);
+  template <typename Options>
+  static bool blocking(const Options& opts) {
+    return !opts.asyncOp && opts.timeout == c10d::kUnsetTimeout;
+  }
+  // enqueue()'s inline path; null when something is queued or running.
+  c10::intrusive_ptr<c10d::Work> runInline(c10d::OpType type, const char* title,
+                                           std::vector<at::Tensor>& outputs,
+                                           std::function<void()>& run);
   // While one lives on a thread, enqueue() on that thread collects the run
   // closures into `runs` (returning a placeholder) instead of queueing them.
   class BatchScope {
@@ -262,6 +291,7 @@ class ProcessGroupDSP : public c10d::Backend {
   int64_t hier_piece_bytes_ = 4 << 20;  // DSP_HIER_PIECE_BYTES
   std::atomic<int64_t> hierarchical_calls_{0};
   bool check_across_hosts_ = true;  // DSP_CHECK_ACROSS_HOSTS
+  bool inline_blocking_ = true;     // DSP_INLINE_BLOCKING
 
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished
