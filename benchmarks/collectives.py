@@ -14,6 +14,15 @@ for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
 Warm-up iterations come first; then three timed rounds, each reporting the
 slowest rank's mean time per call; the median round is printed.
 
+For all_reduce two more engines are timed in the same processes: our direct
+op ``torch.ops.dsparallel.all_reduce_`` ("op": no torch.distributed wrapper
+or dispatcher op on the way), and, when DeepSpeed is installed (one host),
+its CPU shared-memory all-reduce ``torch.ops.deepspeed.inference_all_reduce_``
+(built on first use; DS_ACCELERATOR=cpu), with the ratios of our times to
+its. ``--dtype bfloat16`` times every engine in bf16 (MPI is float32 only:
+mpi4py has no bf16 reduction). ``--worlds 1`` gives the floor: a collective
+of one rank through the same torch path.
+
 ``--nodes K`` makes the ranks K simulated hosts (DSP_NODE_ID, contiguous blocks
 of ranks): "dsp" then runs hierarchically (shared memory within a host, gloo
 between hosts), against gloo flat over all ranks on the same layout. On one
@@ -78,17 +87,36 @@ def fmt_bytes(b: int) -> str:
     return str(b)
 
 
-def _make_op(name, n, rank, size_bytes, group):
-    """Returns (run, check): run() does one collective; check() counts wrong elements."""
+def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
+    """Returns (run, check): run() does one collective; check() counts wrong
+    elements. ``engine`` (all_reduce only): "dist" (``dist.all_reduce``), "op"
+    (our ``torch.ops.dsparallel.all_reduce_``) or "deepspeed" (DeepSpeed's
+    ``torch.ops.deepspeed.inference_all_reduce_``, the world group)."""
     import torch
     import torch.distributed as dist
 
-    elems = max(1, size_bytes // 4)
+    torch.set_default_dtype(torch.float32)
+    dt = getattr(torch, dtype)
+    elems = max(1, size_bytes // dt.itemsize)
+    empty = lambda k: torch.empty(k, dtype=dt)  # noqa: E731
+    arange = lambda k: torch.arange(k, dtype=dt)  # noqa: E731
     if name == "all_reduce":
-        buf = torch.empty(elems)
+        buf = empty(elems)
+        if engine == "op":
+            group_name = (group or dist.group.WORLD).group_name
 
-        def run():
-            dist.all_reduce(buf, group=group)
+            def run():
+                torch.ops.dsparallel.all_reduce_(buf, group_name, "sum")
+
+        elif engine == "deepspeed":
+
+            def run():
+                torch.ops.deepspeed.inference_all_reduce_(buf)
+
+        else:
+
+            def run():
+                dist.all_reduce(buf, group=group)
 
         def check():
             buf.fill_(rank + 1)
@@ -97,7 +125,7 @@ def _make_op(name, n, rank, size_bytes, group):
 
     elif name == "all_gather":
         per = max(1, elems // n)
-        inp, out = torch.empty(per), torch.empty(per * n)
+        inp, out = empty(per), empty(per * n)
 
         def run():
             dist.all_gather_into_tensor(out, inp, group=group)
@@ -105,23 +133,23 @@ def _make_op(name, n, rank, size_bytes, group):
         def check():
             inp.fill_(rank)
             run()
-            expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
+            expect = arange(n).repeat_interleave(per)
             return int((out != expect).sum())
 
     elif name == "reduce_scatter":
         per = max(1, elems // n)
-        inp, out = torch.empty(per * n), torch.empty(per)
+        inp, out = empty(per * n), empty(per)
 
         def run():
             dist.reduce_scatter_tensor(out, inp, group=group)
 
         def check():
-            inp.copy_(torch.arange(n, dtype=torch.float32).repeat_interleave(per) + rank)
+            inp.copy_(arange(n).repeat_interleave(per) + rank)
             run()
             return int((out != n * rank + n * (n - 1) / 2).sum())
 
     elif name == "broadcast":
-        buf = torch.empty(elems)
+        buf = empty(elems)
 
         def run():
             dist.broadcast(buf, src=0, group=group)
@@ -165,7 +193,29 @@ def _time(run, size_bytes):
     return sorted(rounds)[len(rounds) // 2]
 
 
-def _worker(rank, n, collectives, sizes, nodes=1):
+def _deepspeed_op(n):
+    """Builds and initialises DeepSpeed's CPU shared-memory all-reduce over the
+    world group; False when DeepSpeed is not installed or the op cannot be
+    built (its output goes to stderr, away from the table)."""
+    import contextlib
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return False
+    # Set before DeepSpeed is imported: its CPU accelerator, and the local
+    # world size without which its op skips the set-up and then crashes.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_SIZE"] = str(n)
+    import torch
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="dsp")
+    return hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+
+
+def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=True):
     import warnings
 
     import torch
@@ -180,12 +230,20 @@ def _worker(rank, n, collectives, sizes, nodes=1):
         os.environ["DSP_NODE_ID"] = f"node{rank * nodes // n}"
     dist.init_process_group("dsp", rank=rank, world_size=n)
     groups = {"dsp": None, "gloo": dist.new_group(backend="gloo")}
+    # all_reduce only: our direct op, and DeepSpeed's when it is installed
+    # (one host, its dtypes).
+    extras = {"dsp-op": (None, "op")}
+    if deepspeed and nodes == 1 and dtype in ("float32", "bfloat16") and _deepspeed_op(n):
+        extras["deepspeed"] = (None, "deepspeed")
     rows = []
     for coll in collectives:
         for size in sizes:
-            row = {"collective": coll, "world": n, "bytes": size}
-            for name, group in groups.items():
-                run, check = _make_op(coll, n, rank, size, group)
+            row = {"collective": coll, "world": n, "bytes": size, "dtype": dtype}
+            engines = {name: (group, "dist") for name, group in groups.items()}
+            if coll == "all_reduce":
+                engines.update(extras)
+            for name, (group, engine) in engines.items():
+                run, check = _make_op(coll, n, rank, size, group, dtype, engine)
                 wrong = torch.tensor([check()])
                 dist.all_reduce(wrong, group=None)
                 secs = _time(run, size)
@@ -248,6 +306,14 @@ def _format_row(row):
         parts.append(f"{row[name]['us']:>10.1f} {alg:>7.3f} {bus:>7.3f} {row[name]['wrong']:>6}")
     ratio = row["gloo"]["us"] / row["dsp"]["us"]
     line = " | ".join(parts) + f" | {ratio:>7.1f}x"
+    if "dsp-op" in row:
+        line += f" | op {row['dsp-op']['us']:>8.1f} us {row['dsp-op']['wrong']}"
+    if "deepspeed" in row:
+        ds = row["deepspeed"]["us"]
+        line += (
+            f" | deepspeed {ds:>8.1f} us {row['deepspeed']['wrong']} dsp/ds time "
+            f"{row['dsp']['us'] / ds:>5.2f} op/ds {row['dsp-op']['us'] / ds:>5.2f}"
+        )
     if "mpi_us" in row:
         mpi_bus = (
             row["bytes"] / (row["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR[row["collective"]](row["world"])
@@ -372,6 +438,8 @@ def main():
     ap.add_argument("--plot", help="write a PNG of busbw against size")
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--no-mpi", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--nodes", type=int, default=1, help="simulated hosts (DSP_NODE_ID)")
     ap.add_argument("--link-mbit", type=int, help="with --nodes 2: hosts in network namespaces")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # one rank of --link-mbit
@@ -381,7 +449,7 @@ def main():
     if args.rank is not None:
         n = args.worlds[0]
         os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
-        rows = _worker(args.rank, n, args.collectives, sizes, args.nodes)
+        rows = _worker(args.rank, n, args.collectives, sizes, args.nodes, args.dtype, False)
         if args.rank == 0:
             print("ROWS " + json.dumps(rows), flush=True)
         return
@@ -399,8 +467,12 @@ def main():
         if args.link_mbit:
             world_rows = _run_linked_hosts(n, args, sizes)
         else:
-            world_rows = run_ranks(_worker, n, args.collectives, sizes, args.nodes)
-        mpi_ok = args.nodes == 1 and not args.no_mpi and _mpi_available()
+            world_rows = run_ranks(
+                _worker, n, args.collectives, sizes, args.nodes, args.dtype, not args.no_deepspeed
+            )
+        # mpi4py reduces no bfloat16: the MPI column is float32 only.
+        mpi_ok = args.nodes == 1 and not args.no_mpi and args.dtype == "float32"
+        mpi_ok = mpi_ok and _mpi_available()
         for collective in args.collectives if mpi_ok else []:
             mpi = _run_mpi(n, collective, sizes)
             for r in world_rows:

@@ -291,3 +291,45 @@ def _p2p_paths_body(rank, n):
 
 def test_send_recv_through_rings_and_gloo():
     run_ranks(_p2p_paths_body, 2, init=False)
+
+
+def _direct_op_body(rank, n):
+    import dsparallel.ops as ops
+
+    ops_by_name = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.AVG,
+        "product": dist.ReduceOp.PRODUCT,
+        "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX,
+    }
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for size in (1, 37, 700_001):
+            base = (torch.arange(size) % 3).to(torch.float64)
+            for name, op in ops_by_name.items():
+                if name == "avg" and not dtype.is_floating_point:
+                    continue
+                t = ((rank + 1) * base).to(dtype)
+                out = ops.all_reduce_(t, op=name)
+                assert out is t
+                assert torch.equal(t, _reduce_expect(op, n, base).to(dtype)), (dtype, size, name)
+    # A strided view, reduced in place; a sub-group; the gloo backend behind a name.
+    t = torch.full((4, 6), float(rank + 1))[:, ::2]
+    torch.ops.dsparallel.all_reduce_(t, dist.group.WORLD.group_name, "sum")
+    assert torch.equal(t, torch.full((4, 3), n * (n + 1) / 2))
+    members = sorted({0, n - 1})
+    for backend in ("dsp", "gloo"):
+        group = dist.new_group(members, backend=backend)
+        t = torch.tensor([float(rank)])
+        if rank in members:
+            ops.all_reduce_(t, op="max", group=group)
+            assert t.item() == n - 1
+    with pytest.raises(RuntimeError, match='op must be "sum"'):
+        ops.all_reduce_(torch.ones(1), op="mean")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_direct_all_reduce_op(world):
+    """torch.ops.dsparallel.all_reduce_ (and dsparallel.ops.all_reduce_): the
+    same results as dist.all_reduce for every op, in place, on any backend."""
+    run_ranks(_direct_op_body, world)
