@@ -202,6 +202,7 @@ def _worker(rank, world, args):
             plan = plan.validate(costs=costs)
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
+            row["costs"] = costs
             row["memory_bound"] = _memory_bound(forwards, x.chunk(m), plan.peak_in_flight[rank])
             traces[name] = steps[median_step]  # the step of median bubble
             # Of the last step: every rank's share of its backward deferred to W.
@@ -259,6 +260,13 @@ def main():
             f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
             f"(planned {r['bubble_planned']:.1%})"
         )
+    for name, r in ours.items():
+        per_stage = "; ".join(
+            f"s{s} " + " ".join(f"{k}{c}" for k, c in zip("FBIW", costs) if c > 1)
+            for s, costs in enumerate(r["costs"])
+        )
+        busy = r["step_s"] * (1 - r["bubble_measured"]) * 1e3
+        print(f"our {name} mean us per action: {per_stage}; busy {busy:.1f} ms per rank")
     for name in ("zb1p", "zbv", "dualpipev"):
         split = ours[name]["split"]
         share = sum(e["weight_s"] for e in split.values()) / sum(

@@ -114,8 +114,31 @@ bool accumulatesInPlace(const at::Tensor& t) {
                   acc->post_hooks().empty() && !acc->tensor_post_acc_grad_hooks());
 }
 
+// The weight and bias gradients from dy and x (flattened to 2-D). With
+// `in_place`, each goes straight into the .grad of a parameter that
+// accumulatesInPlace (addmm_ into it: no fresh result) and comes back
+// undefined; the others come back to be accumulated by the engine.
+std::pair<at::Tensor, at::Tensor> weightGrads(const at::Tensor& x, const at::Tensor& dy,
+                                              const at::Tensor& w, const at::Tensor& b,
+                                              bool needW, bool needB, bool in_place) {
+  const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  const bool wInPlace = in_place && needW && accumulatesInPlace(w);
+  const bool bInPlace = in_place && needB && accumulatesInPlace(b);
+  if (wInPlace || bInPlace) {
+    at::NoGradGuard noGrad;
+    if (wInPlace) w.mutable_grad().addmm_(dy2.t(), x2);
+    if (bInPlace) b.mutable_grad().add_(dy2.sum(0));
+  }
+  at::Tensor dw, db;
+  if (needW && !wInPlace) dw = dy2.t().mm(x2);
+  if (needB && !bInPlace) db = dy2.sum(0);
+  return {dw, db};
+}
+
 // y = x W^T + b. Backward: dx = dy W at once; dW = dy^T x and db = sum dy
-// now, or (inside a capture) at the W action.
+// now, or (inside a capture) at the W action; both add straight into .grad
+// where they can.
 class SplitLinear : public torch::autograd::Function<SplitLinear> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
@@ -137,39 +160,23 @@ class SplitLinear : public torch::autograd::Function<SplitLinear> {
     const bool needW = ctx->needs_input_grad(1);
     const bool needB = b.defined() && ctx->needs_input_grad(2);
     if (!needW && !needB) return {dx, at::Tensor(), at::Tensor()};
-    // The weight gradients, from dy and x flattened to 2-D.
-    auto weightGrads = [x, dy, needW, needB]() {
-      const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
-      at::Tensor dw, db;
-      if (needW) dw = dy2.t().mm(x.reshape({-1, x.size(-1)}));
-      if (needB) db = dy2.sum(0);
-      return std::make_pair(dw, db);
-    };
     auto& store = WeightGradStore::get();
     if (!store.capturing()) {
-      auto [dw, db] = weightGrads();
+      // A whole backward (B): the same in-place accumulation as a W, unless
+      // the backward is itself being differentiated.
+      auto [dw, db] = weightGrads(x, dy, w, b, needW, needB,
+                                  /*in_place=*/!at::GradMode::is_enabled());
       return {dx, dw, db};
     }
-    store.put([weightGrads, x, dy, w, b, needW, needB](variable_list& roots,
-                                                       variable_list& out) {
-      const bool wInPlace = needW && accumulatesInPlace(w);
-      const bool bInPlace = needB && accumulatesInPlace(b);
-      if (wInPlace || bInPlace) {
-        at::NoGradGuard noGrad;
-        const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)});
-        if (wInPlace) w.mutable_grad().addmm_(dy2.t(), x.reshape({-1, x.size(-1)}));
-        if (bInPlace) b.mutable_grad().add_(dy2.sum(0));
+    store.put([x, dy, w, b, needW, needB](variable_list& roots, variable_list& out) {
+      auto [dw, db] = weightGrads(x, dy, w, b, needW, needB, /*in_place=*/true);
+      if (dw.defined()) {
+        roots.push_back(w);
+        out.push_back(dw);
       }
-      if ((needW && !wInPlace) || (needB && !bInPlace)) {
-        auto [dw, db] = weightGrads();
-        if (needW && !wInPlace) {
-          roots.push_back(w);
-          out.push_back(dw);
-        }
-        if (needB && !bInPlace) {
-          roots.push_back(b);
-          out.push_back(db);
-        }
+      if (db.defined()) {
+        roots.push_back(b);
+        out.push_back(db);
       }
     });
     return {dx, at::Tensor(), at::Tensor()};

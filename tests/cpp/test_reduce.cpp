@@ -123,5 +123,53 @@ TEST(Reduce, UnsupportedCombinationsAreNamed) {
   EXPECT_NE(why.find("int32"), std::string::npos);
 }
 
+// The AVX2 and AVX-512 builds of the kernels give the baseline build's bits: random
+// values (NaN, infinities, subnormals in the mix), every dtype and op, 1-4
+// sources, sizes around the block and the vector widths.
+TEST(Reduce, VectorBuildsEqualGenericToTheBit) {
+  std::vector<uint8_t> probe(8);
+  const void* one[] = {probe.data()};
+  std::vector<const char*> wide;
+  for (const char* k : {"avx2", "avx512"}) {
+    if (reduceIntoWith(k, probe.data(), one, 1, 1, DType::kUInt8, ReduceOp::kSum, 1))
+      wide.push_back(k);
+  }
+  if (wide.empty()) GTEST_SKIP() << "no vector build for this CPU";
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&state] {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  for (uint32_t d = 0; d < static_cast<uint32_t>(DType::kNumDTypes); ++d) {
+    const DType dt = static_cast<DType>(d);
+    const size_t es = elementSize(dt);
+    for (uint32_t o = 0; o < static_cast<uint32_t>(ReduceOp::kNumOps); ++o) {
+      const ReduceOp op = static_cast<ReduceOp>(o);
+      if (!unsupportedReason(dt, op).empty()) continue;
+      for (size_t n : {size_t{1}, size_t{15}, size_t{4097}, size_t{9000}}) {
+        for (int nsrc = 1; nsrc <= 4; ++nsrc) {
+          std::vector<std::vector<uint8_t>> in(nsrc, std::vector<uint8_t>(n * es));
+          for (auto& v : in) {
+            for (auto& b : v) b = static_cast<uint8_t>(next());
+            if (dt == DType::kBool)
+              for (auto& b : v) b &= 1;
+          }
+          std::vector<const void*> srcs;
+          for (auto& v : in) srcs.push_back(v.data());
+          std::vector<uint8_t> a(n * es), b(n * es);
+          ASSERT_TRUE(
+              reduceIntoWith("generic", a.data(), srcs.data(), nsrc, n, dt, op, nsrc));
+          ASSERT_TRUE(
+              reduceIntoWith("avx2", b.data(), srcs.data(), nsrc, n, dt, op, nsrc));
+          ASSERT_EQ(a, b) << dtypeName(dt) << " " << reduceOpName(op) << " n=" << n
+                          << " nsrc=" << nsrc;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dsp
