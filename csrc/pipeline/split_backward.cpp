@@ -143,9 +143,12 @@ class SplitLinear : public torch::autograd::Function<SplitLinear> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w, const std::optional<at::Tensor>& b) {
+    // The bias's value is not needed for the backward, only which tensor
+    // takes its gradient: held by reference, not saved (saved-tensor hooks
+    // and activation-memory accounting see what F.linear itself saves).
     const bool bias = b.has_value() && b->defined();
-    ctx->saved_data["bias"] = bias;
-    ctx->save_for_backward(bias ? variable_list{x, w, *b} : variable_list{x, w});
+    if (bias) ctx->saved_data["bias"] = *b;
+    ctx->save_for_backward({x, w});
     at::AutoDispatchBelowADInplaceOrView below;
     return at::linear(x, w, b);
   }
@@ -153,7 +156,9 @@ class SplitLinear : public torch::autograd::Function<SplitLinear> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1];
-    const at::Tensor b = ctx->saved_data["bias"].toBool() ? saved[2] : at::Tensor();
+    const auto held = ctx->saved_data.find("bias");
+    const at::Tensor b =
+        held != ctx->saved_data.end() ? held->second.toTensor() : at::Tensor();
     const at::Tensor& dy = grads[0];
     at::Tensor dx;
     if (ctx->needs_input_grad(0)) dx = at::matmul(dy, w);
