@@ -95,7 +95,6 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
     import torch
     import torch.distributed as dist
 
-    torch.set_default_dtype(torch.float32)
     dt = getattr(torch, dtype)
     elems = max(1, size_bytes // dt.itemsize)
     empty = lambda k: torch.empty(k, dtype=dt)  # noqa: E731
