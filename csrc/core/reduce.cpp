@@ -39,16 +39,41 @@ namespace avx512 {
 
 using Kernel = void (*)(void*, const void* const*, int, size_t, DType, ReduceOp, int);
 
-Kernel pickKernel() {
+struct Build {
+  const char* name;
+  Kernel kernel;
+  bool (*supported)();
+};
+
+// Widest first: the first build this CPU supports is the one reduceInto runs.
+const Build kBuilds[] = {
 #ifdef DSP_HAVE_AVX2_KERNELS
-  const char* force = std::getenv("DSP_REDUCE_KERNEL");
-  const bool generic_only = force != nullptr && std::strcmp(force, "generic") == 0;
-  if (force != nullptr && std::strcmp(force, "avx2") == 0) return &avx2::kernel;
-  if (!generic_only && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return &avx512::kernel;
-  if (!generic_only && __builtin_cpu_supports("avx2")) return &avx2::kernel;
+    {"avx512", &avx512::kernel,
+     [] {
+       return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+     }},
+    {"avx2", &avx2::kernel,
+     [] { return static_cast<bool>(__builtin_cpu_supports("avx2")); }},
 #endif
+    {"generic", &generic::kernel, [] { return true; }},
+};
+
+// The named build when this CPU has it, else nullptr.
+Kernel findBuild(const char* name) {
+  for (const Build& b : kBuilds)
+    if (std::strcmp(b.name, name) == 0) return b.supported() ? b.kernel : nullptr;
+  return nullptr;
+}
+
+Kernel pickKernel() {
+  // DSP_REDUCE_KERNEL names a narrower build for A/B runs; one this CPU lacks
+  // (or a misspelling) falls back to the widest, never to an illegal instruction.
+  const char* force = std::getenv("DSP_REDUCE_KERNEL");
+  if (force != nullptr) {
+    if (Kernel k = findBuild(force)) return k;
+  }
+  for (const Build& b : kBuilds)
+    if (b.supported()) return b.kernel;
   return &generic::kernel;
 }
 
@@ -113,14 +138,6 @@ std::string unsupportedReason(DType dtype, ReduceOp op) {
   return "";
 }
 
-const char* reduceKernelName() {
-#ifdef DSP_HAVE_AVX2_KERNELS
-  if (kernelOf() == &avx2::kernel) return "avx2";
-  if (kernelOf() == &avx512::kernel) return "avx512";
-#endif
-  return "generic";
-}
-
 void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
                 ReduceOp op, int divisor) {
   if (count == 0 || nsrc <= 0) return;
@@ -129,15 +146,7 @@ void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count, DTyp
 
 bool reduceIntoWith(const char* kernel_name, void* dst, const void* const* srcs, int nsrc,
                     size_t count, DType dtype, ReduceOp op, int divisor) {
-  Kernel k = nullptr;
-  if (std::strcmp(kernel_name, "generic") == 0) k = &generic::kernel;
-#ifdef DSP_HAVE_AVX2_KERNELS
-  if (std::strcmp(kernel_name, "avx2") == 0 && __builtin_cpu_supports("avx2"))
-    k = &avx2::kernel;
-  if (std::strcmp(kernel_name, "avx512") == 0 && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    k = &avx512::kernel;
-#endif
+  const Kernel k = findBuild(kernel_name);
   if (k == nullptr) return false;
   if (count > 0 && nsrc > 0) k(dst, srcs, nsrc, count, dtype, op, divisor);
   return true;

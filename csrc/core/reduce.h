@@ -47,10 +47,6 @@ std::string unsupportedReason(DType dtype, ReduceOp op);
 void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
                 ReduceOp op, int divisor);
 
-// Which build of the kernels reduceInto runs: "avx512" or "avx2" on x86-64
-// CPUs that have them, else "generic" (DSP_REDUCE_KERNEL=generic or avx2
-// forces that build).
-const char* reduceKernelName();
 // reduceInto with a named build ("generic", "avx2", "avx512"); false when this CPU or
 // compiler has no such build. For tests that hold the builds to each other.
 bool reduceIntoWith(const char* kernel_name, void* dst, const void* const* srcs, int nsrc,
