@@ -2,13 +2,16 @@
 
 Each rank gets the torch.distributed environment (a free local port) and
 OMP_NUM_THREADS=1, runs ``fn(rank, world, *args)``, and rank 0's return value
-comes back to the caller.
+comes back to the caller. A rank that dies (an exception, a signal) ends
+the run with an error naming it, instead of leaving the caller waiting on a
+result that never comes.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
 
 
@@ -40,7 +43,21 @@ def run_ranks(fn, world: int, *args):
     ]
     for p in procs:
         p.start()
-    value = results.get()
-    for p in procs:
-        p.join()
-    return value
+    try:
+        while True:
+            try:
+                value = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or all(p.exitcode is not None for p in procs):
+                    raise RuntimeError(
+                        f"benchmark ranks ended without a result (rank, exit code): {dead}"
+                    ) from None
+        for p in procs:
+            p.join()
+        return value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
