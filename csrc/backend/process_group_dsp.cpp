@@ -165,6 +165,7 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.machine_ranks = topology_.machine_ranks;
   options.spins = envInt("DSP_SPINS", options.spins);
   options.yields = envInt("DSP_YIELDS", options.yields);
+  options.p2p_spin_us = envInt("DSP_P2P_SPIN_US", options.p2p_spin_us);
   options.p2p_ring_bytes = envBytes("DSP_P2P_RING_BYTES", options.p2p_ring_bytes);
   check_across_hosts_ = envInt("DSP_CHECK_ACROSS_HOSTS", 1) != 0;
   // 0: blocking calls are queued like the others (for A/B measurements).

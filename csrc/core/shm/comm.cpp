@@ -18,6 +18,10 @@ namespace {
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 constexpr size_t kSoloChunkBytes = size_t{64} << 10;
+// How long a point-to-point receive spins before it sleeps, with a core per
+// rank (ShmOptions::p2p_spin_us): longer than most pipeline bubbles at small
+// widths, short enough that a long wait still ends up asleep.
+constexpr int kP2PSpinUs = 1000;
 constexpr uint64_t kMagic = 0x6473702d73686d31ull;  // "dsp-shm1"
 
 size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -147,8 +151,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   // reserved segment small (init_parallel makes one per rank for each
   // parallel dimension of size one).
   if (size == 1) options_.chunk_bytes = std::min(options_.chunk_bytes, kSoloChunkBytes);
-  wait_policy_ =
-      defaultWaitPolicy(options_.machine_ranks > 0 ? options_.machine_ranks : size);
+  const int machine_ranks = options_.machine_ranks > 0 ? options_.machine_ranks : size;
+  wait_policy_ = defaultWaitPolicy(machine_ranks);
   if (options_.spins >= 0) wait_policy_.spins = options_.spins;
   if (options_.yields >= 0) wait_policy_.yields = options_.yields;
   if (options_.p2p_ring_bytes == 0)
@@ -192,9 +196,13 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
     }
   }
   control(rank_).pid.store(static_cast<int32_t>(getpid()));
+  WaitPolicy p2p_policy = wait_policy_;
+  if (!oversubscribed(machine_ranks)) {  // else the awaited peer may need this very core
+    p2p_policy.spin_us = options_.p2p_spin_us >= 0 ? options_.p2p_spin_us : kP2PSpinUs;
+  }
   p2p_ = std::make_unique<ShmP2P>(
       static_cast<char*>(segment_.data()) + Layout::p2pOffset(size, slotBytes()), rank_,
-      size_, options_.p2p_ring_bytes, timeout(), wait_policy_,
+      size_, options_.p2p_ring_bytes, timeout(), p2p_policy,
       [this](int r) { return processAlive(control(r).pid.load()); });
   // Init step: once every rank has arrived, every rank has attached, so the
   // name can go. From here on a crash leaves nothing in /dev/shm.

@@ -100,6 +100,13 @@ struct ShmOptions {
   // Spin/yield budgets before sleeping; negative: defaultWaitPolicy(size).
   int spins = -1;
   int yields = -1;
+  // Point-to-point receives, with a core per rank, keep spinning this many
+  // microseconds before sleeping (negative: the default). A pipeline's
+  // receive waits for a peer's compute, hundreds of microseconds; waking
+  // from the futex then cost about 10-25 us per transfer on the 2-core
+  // reference machine. Collectives keep the short budget: their waits
+  // overlap compute in the same process (DDP), which a spinner would slow.
+  int p2p_spin_us = -1;
   // Processes of this job sharing the machine's cores (which decides the
   // default wait policy); negative: the comm's size. More than the comm when
   // one machine plays several hosts.

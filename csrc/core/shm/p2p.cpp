@@ -130,6 +130,7 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
   const size_t waste = ring_bytes_ - off < rec ? ring_bytes_ - off : 0;
   const uint64_t end = head + waste + rec;
   const auto deadline = std::chrono::steady_clock::now() + timeout();
+  WaitPolicy policy = policy_;  // its time-based spin for the first slice only
   throwIfAborted();
   while (end - c.tail.load(std::memory_order_acquire) > ring_bytes_) {
     throwIfAborted();
@@ -153,7 +154,8 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
                : std::string("the peer process has exited")));
     }
     waitFor(c.freed, freed + 1, std::min(deadline, now + std::chrono::milliseconds(2)),
-            policy_, [] { return true; });
+            policy, [] { return true; });
+    policy.spin_us = 0;
   }
   if (waste) {
     reinterpret_cast<MsgHeader*>(base + off)->skip = 1;
@@ -273,6 +275,7 @@ bool ShmP2P::test(const RequestPtr& r) {
 void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
   const auto limit = timeout.count() > 0 ? timeout : this->timeout();
   const auto deadline = std::chrono::steady_clock::now() + limit;
+  WaitPolicy policy = policy_;  // its time-based spin for the first slice only
   for (;;) {
     throwIfAborted();
     uint32_t seen = 0;
@@ -295,8 +298,9 @@ void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
       // Sleeps on the source's ring; short slices, so that a receive that
       // another thread completes is noticed too.
       waitFor(channel(r->src, rank_).sent, seen + 1,
-              std::min(deadline, now + std::chrono::milliseconds(2)), policy_,
+              std::min(deadline, now + std::chrono::milliseconds(2)), policy,
               [] { return true; });
+      policy.spin_us = 0;
     } else {
       for (int s = 0; s < size_; ++s) {
         if (s != rank_ && !peer_alive_(s)) failWait(*r, true, s);

@@ -6,6 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <climits>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -25,8 +26,8 @@ namespace {
 // microseconds; past that it is probably descheduled. With more ranks than
 // cores, spinning only delays the peer, while a yield that finds nobody else
 // runnable costs under a microsecond.
-constexpr WaitPolicy kDedicatedCores{2000, 64};
-constexpr WaitPolicy kOversubscribed{16, 4000};
+constexpr WaitPolicy kDedicatedCores{2000, 64, 0};
+constexpr WaitPolicy kOversubscribed{16, 4000, 0};
 
 // Shared (not FUTEX_PRIVATE) futexes: the word lives in memory mapped by
 // several processes.
@@ -38,13 +39,17 @@ long futex(const std::atomic<uint32_t>* addr, int op, uint32_t val,
 
 }  // namespace
 
-WaitPolicy defaultWaitPolicy(int ranks) {
+bool oversubscribed(int ranks) {
   cpu_set_t set;
   CPU_ZERO(&set);
   int cpus = 0;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
   if (cpus <= 0) cpus = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  return ranks > cpus ? kOversubscribed : kDedicatedCores;
+  return ranks > cpus;
+}
+
+WaitPolicy defaultWaitPolicy(int ranks) {
+  return oversubscribed(ranks) ? kOversubscribed : kDedicatedCores;
 }
 
 void advance(WaitWord& word, uint32_t value) {
@@ -63,6 +68,16 @@ bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& poli
   for (int i = 0; i < policy.spins; ++i) {
     if (reached(word.value.load(std::memory_order_acquire), target)) return true;
     DSP_CPU_RELAX();
+  }
+  if (policy.spin_us > 0) {
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(policy.spin_us);
+    do {
+      for (int i = 0; i < 256; ++i) {
+        if (reached(word.value.load(std::memory_order_acquire), target)) return true;
+        DSP_CPU_RELAX();
+      }
+    } while (std::chrono::steady_clock::now() < until);
   }
   for (int i = 0; i < policy.yields; ++i) {
     if (reached(word.value.load(std::memory_order_acquire), target)) return true;

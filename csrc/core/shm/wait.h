@@ -37,12 +37,18 @@ enum class WaitResult { kReached, kTimedOut, kCancelled };
 struct WaitPolicy {
   int spins;   // pause-spins: cheapest, right when the peer runs on another core
   int yields;  // sched_yield calls: hand the core to a runnable peer
+  // Then keep spinning until this many microseconds have passed since the
+  // wait began (0: none). For waits whose peer is busy computing, not
+  // communicating: a futex wake-up costs more than the spin it saves.
+  int spin_us = 0;
 };
 
 // The policy for `ranks` processes sharing this host's CPUs: with a core
 // each, spin (a peer is microseconds away); with more ranks than cores, yield
 // almost at once, since the peer we wait for may need this very core.
 WaitPolicy defaultWaitPolicy(int ranks);
+// Whether `ranks` processes outnumber the CPUs this process may run on.
+bool oversubscribed(int ranks);
 
 // Waits until word.value reaches target or the deadline passes. `still_ok` is
 // polled while asleep (every few ms): returning false cancels the wait (a
