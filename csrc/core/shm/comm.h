@@ -102,8 +102,8 @@ struct ShmOptions {
   int yields = -1;
   // Point-to-point receives, with a core per rank, keep spinning this many
   // microseconds before sleeping (negative: the default). A pipeline's
-  // receive waits for a peer's compute, hundreds of microseconds; waking
-  // from the futex then cost about 10-25 us per transfer on the 2-core
+  // receive waits for a peer's compute, hundreds of microseconds, and the
+  // futex sleep and wake-up cost 1-2% of a small pipeline step on the 2-core
   // reference machine. Collectives keep the short budget: their waits
   // overlap compute in the same process (DDP), which a spinner would slow.
   int p2p_spin_us = -1;

@@ -37,9 +37,9 @@ enum class WaitResult { kReached, kTimedOut, kCancelled };
 struct WaitPolicy {
   int spins;   // pause-spins: cheapest, right when the peer runs on another core
   int yields;  // sched_yield calls: hand the core to a runnable peer
-  // Then keep spinning until this many microseconds have passed since the
-  // wait began (0: none). For waits whose peer is busy computing, not
-  // communicating: a futex wake-up costs more than the spin it saves.
+  // After the counted spins, keep spinning for up to this many microseconds
+  // (0: none), then yield. For waits whose peer is busy computing, not
+  // communicating: a futex sleep and wake-up cost more than the spin.
   int spin_us = 0;
 };
 
