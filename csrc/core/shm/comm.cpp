@@ -151,8 +151,9 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   // reserved segment small (init_parallel makes one per rank for each
   // parallel dimension of size one).
   if (size == 1) options_.chunk_bytes = std::min(options_.chunk_bytes, kSoloChunkBytes);
-  const int machine_ranks = options_.machine_ranks > 0 ? options_.machine_ranks : size;
-  wait_policy_ = defaultWaitPolicy(machine_ranks);
+  const bool crowded =
+      oversubscribed(options_.machine_ranks > 0 ? options_.machine_ranks : size);
+  wait_policy_ = defaultWaitPolicy(crowded);
   if (options_.spins >= 0) wait_policy_.spins = options_.spins;
   if (options_.yields >= 0) wait_policy_.yields = options_.yields;
   if (options_.p2p_ring_bytes == 0)
@@ -197,7 +198,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   }
   control(rank_).pid.store(static_cast<int32_t>(getpid()));
   WaitPolicy p2p_policy = wait_policy_;
-  if (!oversubscribed(machine_ranks)) {  // else the awaited peer may need this very core
+  if (!crowded) {  // else the awaited peer may need this very core
     p2p_policy.spin_us = options_.p2p_spin_us >= 0 ? options_.p2p_spin_us : kP2PSpinUs;
   }
   p2p_ = std::make_unique<ShmP2P>(

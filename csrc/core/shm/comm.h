@@ -97,7 +97,7 @@ struct ShmOptions {
   // then all-gather (each rank reduces 1/n).
   size_t one_shot_max_bytes = size_t{256} << 10;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  // Spin/yield budgets before sleeping; negative: defaultWaitPolicy(size).
+  // Spin/yield budgets before sleeping; negative: defaultWaitPolicy's.
   int spins = -1;
   int yields = -1;
   // Point-to-point receives, with a core per rank, keep spinning this many

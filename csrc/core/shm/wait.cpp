@@ -48,8 +48,8 @@ bool oversubscribed(int ranks) {
   return ranks > cpus;
 }
 
-WaitPolicy defaultWaitPolicy(int ranks) {
-  return oversubscribed(ranks) ? kOversubscribed : kDedicatedCores;
+WaitPolicy defaultWaitPolicy(bool oversubscribed) {
+  return oversubscribed ? kOversubscribed : kDedicatedCores;
 }
 
 void advance(WaitWord& word, uint32_t value) {

@@ -43,12 +43,12 @@ struct WaitPolicy {
   int spin_us = 0;
 };
 
-// The policy for `ranks` processes sharing this host's CPUs: with a core
-// each, spin (a peer is microseconds away); with more ranks than cores, yield
-// almost at once, since the peer we wait for may need this very core.
-WaitPolicy defaultWaitPolicy(int ranks);
 // Whether `ranks` processes outnumber the CPUs this process may run on.
 bool oversubscribed(int ranks);
+// The policy for ranks sharing this host's CPUs: with a core each, spin (a
+// peer is microseconds away); oversubscribed, yield almost at once, since
+// the peer we wait for may need this very core.
+WaitPolicy defaultWaitPolicy(bool oversubscribed);
 
 // Waits until word.value reaches target or the deadline passes. `still_ok` is
 // polled while asleep (every few ms): returning false cancels the wait (a
