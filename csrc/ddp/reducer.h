@@ -84,19 +84,21 @@ class Reducer {
   std::vector<std::vector<int64_t>> bucketOffsets() const;
   std::vector<int64_t> paddedNumels() const;
   // This rank's slice of each bucket's averaged gradient, accumulated over
-  // synced backwards until zeroGradShards().
-  std::vector<at::Tensor> gradShards() const;
+  // synced backwards until zeroGradShards(). This and paramsWithGradients()
+  // first write the zeros zeroGradShards() deferred: call either before
+  // reading the shards (the optimizer's step does).
+  std::vector<at::Tensor> gradShards();
   // Bytes held besides the shards: the two staging buffers (kept across
   // iterations), plus the most gradient bytes held at once for
   // reduce-scatters from where they are, in the last backward.
   int64_t stagingBytes() const;
-  // Zeroes the shards; with set_to_none, every parameter is also "without a
-  // gradient" again, as torch's zero_grad makes .grad None.
+  // Zeroes the shards (lazily, see gradShards()); with set_to_none, every parameter is
+  // also "without a gradient" again, as torch's zero_grad makes .grad None.
   void zeroGradShards(bool set_to_none);
   // Per parameter: whether some rank produced its gradient in a synced
   // backward since the last zeroGradShards(set_to_none=true). An optimizer
   // skips the others, as torch's skip a parameter whose .grad is None.
-  std::vector<bool> paramsWithGradients() const;
+  std::vector<bool> paramsWithGradients();
   // Buckets are reduced in this floating dtype and added into the shards in
   // the parameters' (a compress hook under reduce-scatter).
   void setReduceDType(at::ScalarType dtype);
@@ -122,6 +124,9 @@ class Reducer {
     // The shard's version when it was last zeroed (-1: it holds a gradient
     // since): a clean shard takes the reduce-scatter's output directly.
     int64_t clean_version = -1;
+    // Zeroed by zeroGradShards() but not written yet: its memory is stale,
+    // its value zero (clean as well). See settleZerosLocked().
+    bool zero_pending = false;
   };
 
   void autogradHook(size_t index);
@@ -149,6 +154,8 @@ class Reducer {
   void allocateFlatLocked(Bucket& b);
   void launchReduceScatterLocked(Bucket& b);
   void finishShard(Bucket& b);
+  void addIntoShard(Bucket& b, const at::Tensor& result);
+  void settleZerosLocked();
   static int64_t shardVersion(const Bucket& b);
 
   std::vector<at::Tensor> params_;

@@ -349,6 +349,11 @@ def _stage2_options_body(rank, world):
                     xs, ys = xs.chunk(world)[rank], ys.chunk(world)[rank]
                 (nn.functional.mse_loss(ddp(xs), ys) / 2).backward()
             opt.step()
+            if step == 3:
+                # A step on zeroed gradients: the shards' zeros, deferred by
+                # zero_grad, must be what the optimizer reads.
+                opt.zero_grad(set_to_none=False)
+                opt.step()
         if distributed:
             ddp.wait_param_gather()  # overlap_param_gather: the last step's gathers
         return model
