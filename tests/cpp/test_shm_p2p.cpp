@@ -191,4 +191,27 @@ TEST(ShmP2P, ErrorsNameThePeerTagAndSizes) {
   }
 }
 
+// A receive's own timeout bounds its spin too: with a 5 s spin budget, a
+// 50 ms wait on a silent peer still ends near 50 ms, not after the spin.
+TEST(ShmP2P, TimeoutShorterThanTheSpinBudgetEndsTheWait) {
+  ShmOptions o = ringOptions(4096);
+  o.p2p_spin_us = 5'000'000;
+  auto errs = runRanks(
+      2,
+      [](ShmComm& c) {
+        if (c.rank() == 1) {
+          auto& p = c.p2p();
+          int64_t y = 0;
+          const auto start = std::chrono::steady_clock::now();
+          EXPECT_THROW(
+              p.wait(p.postRecv(0, 3, &y, sizeof(y)), std::chrono::milliseconds(50)),
+              std::runtime_error);
+          EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+        }
+        c.barrier();
+      },
+      o);
+  expectNoErrors(errs);
+}
+
 }  // namespace dsp

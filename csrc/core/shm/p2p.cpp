@@ -29,6 +29,26 @@ size_t recordBytes(size_t payload) { return kLine + roundUp(payload, kLine); }
 
 std::string tagText(int64_t tag) { return "tag " + std::to_string(tag); }
 
+// A blocked send or receive waits on a peer's counter in slices of at most
+// 2 ms, re-checking its own exit conditions (a dead peer, a receive that
+// another thread completed) between them. Only the first slice spins for
+// the policy's spin_us: a wait that outlasts it is a long one, better asleep.
+class SlicedWait {
+ public:
+  SlicedWait(const WaitPolicy& policy, std::chrono::steady_clock::time_point deadline)
+      : policy_(policy), deadline_(deadline) {}
+  void slice(const WaitWord& word, uint32_t target,
+             std::chrono::steady_clock::time_point now) {
+    waitFor(word, target, std::min(deadline_, now + std::chrono::milliseconds(2)),
+            policy_, [] { return true; });
+    policy_.spin_us = 0;
+  }
+
+ private:
+  WaitPolicy policy_;
+  std::chrono::steady_clock::time_point deadline_;
+};
+
 }  // namespace
 
 // Shared between the two ends of one ring; each field on its own line.
@@ -130,7 +150,7 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
   const size_t waste = ring_bytes_ - off < rec ? ring_bytes_ - off : 0;
   const uint64_t end = head + waste + rec;
   const auto deadline = std::chrono::steady_clock::now() + timeout();
-  WaitPolicy policy = policy_;  // its time-based spin for the first slice only
+  SlicedWait waiting(policy_, deadline);
   throwIfAborted();
   while (end - c.tail.load(std::memory_order_acquire) > ring_bytes_) {
     throwIfAborted();
@@ -153,9 +173,7 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
                      " ms (it received none of the messages before)"
                : std::string("the peer process has exited")));
     }
-    waitFor(c.freed, freed + 1, std::min(deadline, now + std::chrono::milliseconds(2)),
-            policy, [] { return true; });
-    policy.spin_us = 0;
+    waiting.slice(c.freed, freed + 1, now);
   }
   if (waste) {
     reinterpret_cast<MsgHeader*>(base + off)->skip = 1;
@@ -275,7 +293,7 @@ bool ShmP2P::test(const RequestPtr& r) {
 void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
   const auto limit = timeout.count() > 0 ? timeout : this->timeout();
   const auto deadline = std::chrono::steady_clock::now() + limit;
-  WaitPolicy policy = policy_;  // its time-based spin for the first slice only
+  SlicedWait waiting(policy_, deadline);
   for (;;) {
     throwIfAborted();
     uint32_t seen = 0;
@@ -295,12 +313,7 @@ void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
     if (r->src >= 0) {
       if (!peer_alive_(r->src)) failWait(*r, true, r->src);
       if (now >= deadline) failWait(*r, false, r->src, limit);
-      // Sleeps on the source's ring; short slices, so that a receive that
-      // another thread completes is noticed too.
-      waitFor(channel(r->src, rank_).sent, seen + 1,
-              std::min(deadline, now + std::chrono::milliseconds(2)), policy,
-              [] { return true; });
-      policy.spin_us = 0;
+      waiting.slice(channel(r->src, rank_).sent, seen + 1, now);
     } else {
       for (int s = 0; s < size_; ++s) {
         if (s != rank_ && !peer_alive_(s)) failWait(*r, true, s);

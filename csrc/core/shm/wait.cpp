@@ -6,6 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 
@@ -64,14 +65,15 @@ void advance(WaitWord& word, uint32_t value) {
 
 namespace detail {
 
-bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy) {
+bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy,
+                   std::chrono::steady_clock::time_point deadline) {
   for (int i = 0; i < policy.spins; ++i) {
     if (reached(word.value.load(std::memory_order_acquire), target)) return true;
     DSP_CPU_RELAX();
   }
   if (policy.spin_us > 0) {
-    const auto until =
-        std::chrono::steady_clock::now() + std::chrono::microseconds(policy.spin_us);
+    const auto until = std::min(deadline, std::chrono::steady_clock::now() +
+                                              std::chrono::microseconds(policy.spin_us));
     do {
       for (int i = 0; i < 256; ++i) {
         if (reached(word.value.load(std::memory_order_acquire), target)) return true;

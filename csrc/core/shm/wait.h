@@ -59,7 +59,9 @@ WaitResult waitFor(const WaitWord& word, uint32_t target,
                    const WaitPolicy& policy, StillOk&& still_ok);
 
 namespace detail {
-bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy);
+// The time-based spin stops at `deadline` too.
+bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy,
+                   std::chrono::steady_clock::time_point deadline);
 // One futex sleep of at most `slice`; returns when woken, on timeout or
 // spuriously. The caller re-checks.
 void sleepOnce(const WaitWord& word, uint32_t observed, std::chrono::microseconds slice);
@@ -69,7 +71,7 @@ template <typename StillOk>
 WaitResult waitFor(const WaitWord& word, uint32_t target,
                    std::chrono::steady_clock::time_point deadline,
                    const WaitPolicy& policy, StillOk&& still_ok) {
-  if (detail::spinThenYield(word, target, policy)) return WaitResult::kReached;
+  if (detail::spinThenYield(word, target, policy, deadline)) return WaitResult::kReached;
   constexpr auto kSleepSlice = std::chrono::milliseconds(5);
   for (;;) {
     const uint32_t v = word.value.load(std::memory_order_acquire);
