@@ -234,7 +234,7 @@ def main():
                 bottom = [b + v for b, v in zip(bottom, vals)]
             ax.set_title(f"{world} ranks: memory per rank (rank 0)")
             ax.set_ylabel("MB")
-            ax.tick_params(axis="x", rotation=20)
+            ax.set_xticks(range(len(CONFIGS)), CONFIGS, rotation=30, ha="right")
             ax.legend()
         fig.tight_layout()
         fig.savefig(args.png)
