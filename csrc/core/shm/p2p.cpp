@@ -29,18 +29,21 @@ size_t recordBytes(size_t payload) { return kLine + roundUp(payload, kLine); }
 
 std::string tagText(int64_t tag) { return "tag " + std::to_string(tag); }
 
-// A blocked send or receive waits on a peer's counter in slices of at most
-// 2 ms, re-checking its own exit conditions (a dead peer, a receive that
-// another thread completed) between them. Only the first slice spins for
-// the policy's spin_us: a wait that outlasts it is a long one, better asleep.
+// A blocked send or receive waits on a peer's counter in slices of 2 ms,
+// re-checking its own exit conditions (a dead peer, a receive that another
+// thread completed) between them. Only the first slice spins for the
+// policy's spin_us (and lasts at least that long): a wait that outlasts it
+// is a long one, better asleep. No slice runs past the wait's deadline.
 class SlicedWait {
  public:
   SlicedWait(const WaitPolicy& policy, std::chrono::steady_clock::time_point deadline)
       : policy_(policy), deadline_(deadline) {}
   void slice(const WaitWord& word, uint32_t target,
              std::chrono::steady_clock::time_point now) {
-    waitFor(word, target, std::min(deadline_, now + std::chrono::milliseconds(2)),
-            policy_, [] { return true; });
+    const auto length = std::max<std::chrono::microseconds>(
+        std::chrono::milliseconds(2), std::chrono::microseconds(policy_.spin_us));
+    waitFor(word, target, std::min(deadline_, now + length), policy_,
+            [] { return true; });
     policy_.spin_us = 0;
   }
 
