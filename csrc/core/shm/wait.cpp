@@ -83,6 +83,9 @@ bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& poli
   }
   for (int i = 0; i < policy.yields; ++i) {
     if (reached(word.value.load(std::memory_order_acquire), target)) return true;
+    // On a loaded machine one yield can last a whole time slice, and 4000 of
+    // them seconds: the deadline bounds the yielding too.
+    if (i % 64 == 63 && std::chrono::steady_clock::now() >= deadline) break;
     sched_yield();
   }
   return reached(word.value.load(std::memory_order_acquire), target);

@@ -59,7 +59,7 @@ WaitResult waitFor(const WaitWord& word, uint32_t target,
                    const WaitPolicy& policy, StillOk&& still_ok);
 
 namespace detail {
-// The time-based spin stops at `deadline` too.
+// The time-based spin and the yields stop at `deadline` too.
 bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy,
                    std::chrono::steady_clock::time_point deadline);
 // One futex sleep of at most `slice`; returns when woken, on timeout or
