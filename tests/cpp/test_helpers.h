@@ -20,6 +20,9 @@ inline ShmOptions smallOptions() {
   ShmOptions o;
   o.chunk_bytes = 4096;  // tiny chunks: every size class takes many steps
   o.one_shot_max_bytes = 2048;
+  // Outputs of 8 KiB and more stream: the larger sizes of every collective
+  // test take the non-temporal copies, the smaller ones memcpy.
+  o.stream_min_bytes = 8192;
   o.timeout = std::chrono::seconds(20);
   return o;
 }

@@ -114,6 +114,10 @@ struct ShmOptions {
   // Bytes of each point-to-point ring (one per ordered pair of ranks); 0:
   // ShmP2P::defaultRingBytes(size).
   size_t p2p_ring_bytes = 0;
+  // A collective that writes at least this many bytes into its output copies
+  // them there with non-temporal stores (stream_copy.h); 0: half the
+  // last-level cache (defaultStreamMinBytes).
+  size_t stream_min_bytes = 0;
 };
 
 // Several buffers of one dtype seen as one array: an all-reduce over them
@@ -231,6 +235,8 @@ class ShmComm {
   RankControl& control(int r) const;
   char* slot(int r, uint32_t step) const;
   size_t slotBytes() const { return 2 * options_.chunk_bytes; }
+  // Whether a collective writing `out_bytes` into its output streams them.
+  bool streams(size_t out_bytes) const { return out_bytes >= options_.stream_min_bytes; }
 
   // Begins a collective: checks the comm is usable, takes a sequence number.
   void begin(const CallInfo& info);
