@@ -11,10 +11,10 @@ namespace dsp {
 namespace {
 
 TEST(StreamCopy, EqualsMemcpyForEveryAlignmentAndSize) {
-  std::vector<uint8_t> src(5000), dst(5200);
+  std::vector<uint8_t> src(5000), dst(5200);  // dst: room for the largest offset
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 31 + 7);
   for (size_t s_off = 0; s_off < 16; s_off += 3) {
-    for (size_t d_off = 0; d_off < 17; ++d_off) {
+    for (size_t d_off : {0, 1, 2, 7, 15, 16, 17, 31, 48, 63, 64, 65, 100}) {
       for (size_t n : {0, 1, 15, 255, 256, 271, 319, 320, 1000, 4096, 4999 - 15}) {
         std::fill(dst.begin(), dst.end(), 0xAB);
         streamCopy(dst.data() + d_off, src.data() + s_off, n);
