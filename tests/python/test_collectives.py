@@ -293,6 +293,41 @@ def test_send_recv_through_rings_and_gloo():
     run_ranks(_p2p_paths_body, 2, init=False)
 
 
+def _streamed_outputs_body(rank, n):
+    """With DSP_STREAM_BYTES tiny, every large output is written with
+    non-temporal stores: all_gather (into a tensor, a list, and in place at
+    an odd offset) and broadcast still equal the plain computation, and an
+    all_reduce (in place: it keeps memcpy) is unaffected."""
+    import os
+
+    os.environ["DSP_STREAM_BYTES"] = "4096"
+    dist.init_process_group("dsp")
+    numel = 300_001  # several 512 KiB chunks per rank, not a multiple of a line
+    mine = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(n * numel)
+    dist.all_gather_into_tensor(out, mine)
+    for r in range(n):
+        assert torch.equal(out[r * numel : (r + 1) * numel], torch.arange(numel) * (r + 1.0))
+    outs = [torch.empty(numel) for _ in range(n)]
+    dist.all_gather(outs, mine)
+    assert all(torch.equal(o, torch.arange(numel) * (r + 1.0)) for r, o in enumerate(outs))
+    flat = torch.zeros(n * numel + 3)
+    view = flat[3:]  # an output 12 bytes past its storage's alignment
+    view[rank * numel : (rank + 1) * numel].copy_(mine)
+    dist.all_gather_into_tensor(view, view[rank * numel : (rank + 1) * numel])
+    assert torch.equal(view, out) and torch.equal(flat[:3], torch.zeros(3))
+    b = mine.clone() if rank == 1 else torch.zeros(numel)
+    dist.broadcast(b, src=1)
+    assert torch.equal(b, torch.arange(numel) * 2.0)
+    summed = mine.clone()
+    dist.all_reduce(summed)
+    assert torch.equal(summed, torch.arange(numel) * float(n * (n + 1) // 2))
+
+
+def test_streamed_outputs_equal_the_plain_copies():
+    run_ranks(_streamed_outputs_body, 2, init=False)
+
+
 def _direct_op_body(rank, n):
     import dsparallel.ops as ops
 
