@@ -62,12 +62,10 @@ size_t readCacheSize(const std::string& dir) {
   return value;
 }
 
-}  // namespace
-
-size_t defaultStreamMinBytes() {
-  // sysconf(_SC_LEVEL3_CACHE_SIZE) can report a whole socket's L3 inside a
-  // virtual machine (320 MiB on the reference machine, whose cores share
-  // 32 MiB); sysfs reports the cache this core shares.
+// sysconf(_SC_LEVEL3_CACHE_SIZE) can report a whole socket's L3 inside a
+// virtual machine (320 MiB on the reference machine, whose cores share
+// 32 MiB); sysfs reports the cache this core shares.
+size_t readLastLevelCacheBytes() {
   size_t llc = 0;
   int best_level = 0;
   for (int i = 0; i < 8; ++i) {
@@ -83,7 +81,15 @@ size_t defaultStreamMinBytes() {
     const size_t bytes = readCacheSize(dir);
     if (bytes) llc = bytes, best_level = level;
   }
-  return (llc ? llc : size_t{32} << 20) / 2;
+  return llc ? llc : size_t{32} << 20;
+}
+
+}  // namespace
+
+size_t defaultStreamMinBytes() {
+  // Read once: every process group of the job asks when it is made.
+  static const size_t bytes = readLastLevelCacheBytes() / 2;
+  return bytes;
 }
 
 }  // namespace dsp
