@@ -157,7 +157,7 @@ def _worker(rank, world, args):
                 else:
                     sched.step(target=y, losses=[])
                 if lib == "dsparallel":
-                    traces_of.append(sched.trace)
+                    traces_of.append((sched.trace, sched.transfer_trace))
 
             for _ in range(2):
                 step()
@@ -188,12 +188,13 @@ def _worker(rank, world, args):
             # step, reported as the median (one step alone is noisy here).
             everyone = [None] * world
             dist.all_gather_object(everyone, traces_of)
-            steps = [[everyone[r][i] for r in range(world)] for i in range(len(traces_of))]
+            steps = [[everyone[r][i][0] for r in range(world)] for i in range(len(traces_of))]
+            moves = [[everyone[r][i][1] for r in range(world)] for i in range(len(traces_of))]
             bubbles = sorted((pp.bubble(t), i) for i, t in enumerate(steps))
             median_bubble, median_step = bubbles[len(bubbles) // 2]
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
-            row["breakdown"] = pp.bubble_breakdown(steps[median_step])
+            row["breakdown"] = pp.bubble_breakdown(steps[median_step], moves[median_step])
             v = name in V_SHAPED
             n_stages = 2 * world if v else world
             entries = [e for t in steps for rank_trace in t for e in rank_trace]
@@ -255,7 +256,11 @@ def main():
         )
     ours = {r["schedule"]: r for r in rows if r["lib"] == "dsparallel"}
     for name, r in ours.items():
-        parts = ", ".join(f"{k} {v:.1%}" for k, v in r["breakdown"].items())
+        d = r["breakdown"]
+        parts = (
+            f"wait {d['wait']:.1%}, overhead {d['overhead']:.1%} (in transfers "
+            f"{d['in_transfers']:.1%}, between actions {d['between']:.1%}), tail {d['tail']:.1%}"
+        )
         print(
             f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
             f"(planned {r['bubble_planned']:.1%})"

@@ -219,7 +219,9 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &dsparallel::pipeline::Runtime::step, py::arg("forward"),
            py::arg("backward"), py::arg("weight") = nullptr,
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("trace", &dsparallel::pipeline::Runtime::trace);
+      .def_property_readonly("trace", &dsparallel::pipeline::Runtime::trace)
+      .def_property_readonly("transfer_trace",
+                             &dsparallel::pipeline::Runtime::transferTrace);
   m.def("make_schedule", &pp::makeSchedule, py::arg("name"), py::arg("num_stages"),
         py::arg("num_microbatches"), py::arg("stages_per_rank") = 1);
   m.def(

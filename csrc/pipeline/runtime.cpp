@@ -101,6 +101,24 @@ int Runtime::tag(int stage, int mb, bool backward, bool header) const {
          static_cast<int>(header);
 }
 
+c10d::Backend& Runtime::backendFor(const at::Tensor& t) {
+  if (!backend_ || backend_device_ != t.device().type()) {
+    backend_device_ = t.device().type();
+    backend_ = group_->getBackend(backend_device_);
+  }
+  return *backend_;
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::send(const at::Tensor& t, int dst, int tag) {
+  std::vector<at::Tensor> tensors = {t};
+  return backendFor(t).send(tensors, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::recv(const at::Tensor& t, int src, int tag) {
+  std::vector<at::Tensor> tensors = {t};
+  return backendFor(t).recv(tensors, src, tag);
+}
+
 void Runtime::checkShape(int stage, int mb, at::IntArrayRef shape, at::ScalarType dtype) {
   const auto [it, first] = shapes_.try_emplace(stage, shape.vec(), dtype);
   if (first) return;
@@ -134,23 +152,21 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   h[0] = out.dim();
   h[1] = code - kDTypes.begin();
   std::copy(out.sizes().begin(), out.sizes().end(), h + 2);
-  std::vector<at::Tensor> m = {message};
   try {
     checkShape(stage, mb, out.sizes(), out.scalar_type());
   } catch (...) {
     // Deliver the header (in a message of the size the receiver expects),
     // so that it raises the same error instead of waiting for data.
-    group_->send(m, dst, tag(stage, mb, false, true))->wait();
+    send(message, dst, tag(stage, mb, false, true))->wait();
     throw;
   }
   if (known == shapes_.end()) {
-    pending.push_back(group_->send(m, dst, tag(stage, mb, false, true)));
-    std::vector<at::Tensor> data = {out.contiguous()};
-    pending.push_back(group_->send(data, dst, tag(stage, mb, false, false)));
+    pending.push_back(send(message, dst, tag(stage, mb, false, true)));
+    pending.push_back(send(out.contiguous(), dst, tag(stage, mb, false, false)));
     return;
   }
   payloadOf(message, known->second.first, known->second.second).copy_(out);
-  pending.push_back(group_->send(m, dst, tag(stage, mb, false, true)));
+  pending.push_back(send(message, dst, tag(stage, mb, false, true)));
 }
 
 void Runtime::prefetchActivation(int stage, int mb) {
@@ -161,8 +177,7 @@ void Runtime::prefetchActivation(int stage, int mb) {
   p.header = at::empty(
       {kPayloadOffset + payloadBytes(shape->second.first, shape->second.second)},
       at::kByte);
-  std::vector<at::Tensor> m = {p.header};
-  p.works.push_back(group_->recv(m, rankOf(stage - 1), tag(stage - 1, mb, false, true)));
+  p.works.push_back(recv(p.header, rankOf(stage - 1), tag(stage - 1, mb, false, true)));
   posted_.emplace(key, std::move(p));
 }
 
@@ -170,13 +185,13 @@ at::Tensor Runtime::receiveActivation(int stage, int mb) {
   const int src = rankOf(stage - 1);
   const auto known = shapes_.find(stage - 1);
   if (known == shapes_.end()) {  // the stage's first activation: header, then data
-    std::vector<at::Tensor> h = {at::empty({kHeaderLen * 8}, at::kByte)};
-    group_->recv(h, src, tag(stage - 1, mb, false, true))->wait();
-    const auto [shape, dtype] = parseHeader(h[0]);
+    const at::Tensor h = at::empty({kHeaderLen * 8}, at::kByte);
+    recv(h, src, tag(stage - 1, mb, false, true))->wait();
+    const auto [shape, dtype] = parseHeader(h);
     checkShape(stage - 1, mb, shape, dtype);
-    std::vector<at::Tensor> d = {at::empty(shape, at::TensorOptions(dtype))};
-    group_->recv(d, src, tag(stage - 1, mb, false, false))->wait();
-    return d[0];
+    const at::Tensor d = at::empty(shape, at::TensorOptions(dtype));
+    recv(d, src, tag(stage - 1, mb, false, false))->wait();
+    return d;
   }
   at::Tensor message;
   const auto posted = posted_.find({false, stage, mb});
@@ -186,11 +201,10 @@ at::Tensor Runtime::receiveActivation(int stage, int mb) {
     posted_.erase(posted);
     waitAll(works);
   } else {
-    std::vector<at::Tensor> m = {at::empty(
+    message = at::empty(
         {kPayloadOffset + payloadBytes(known->second.first, known->second.second)},
-        at::kByte)};
-    group_->recv(m, src, tag(stage - 1, mb, false, true))->wait();
-    message = m[0];
+        at::kByte);
+    recv(message, src, tag(stage - 1, mb, false, true))->wait();
   }
   const auto [shape, dtype] = parseHeader(message);
   checkShape(stage - 1, mb, shape, dtype);
@@ -210,6 +224,7 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
   store.clear();                                    // nor do its weight gradients
   std::map<std::pair<int, int>, int64_t> deferred;  // (stage, mb) -> capture
   trace_.clear();
+  transfers_.clear();
   const int last = num_stages_ - 1;
   for (const auto& a : actions_) {
     if (a.type == ActionType::kRecvF && a.microbatch == 0) prefetchActivation(a.stage, 0);
@@ -217,6 +232,9 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
   for (const auto& a : actions_) {
     const int s = a.stage, mb = a.microbatch;
     Slot& slot = slots[{s, mb}];
+    const bool transfer = a.type == ActionType::kSendF || a.type == ActionType::kRecvF ||
+                          a.type == ActionType::kSendB || a.type == ActionType::kRecvB;
+    const double started = transfer ? now() : 0.0;
     switch (a.type) {
       case ActionType::kForward: {
         const double t0 = now();
@@ -269,8 +287,7 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
         sendActivation(s, mb, out, pending);
         Posted p;
         p.data = at::empty_like(out);
-        std::vector<at::Tensor> g = {p.data};
-        p.works.push_back(group_->recv(g, rankOf(s + 1), tag(s + 1, mb, true, false)));
+        p.works.push_back(recv(p.data, rankOf(s + 1), tag(s + 1, mb, true, false)));
         posted_.emplace(Key{true, s, mb}, std::move(p));
         break;
       }
@@ -282,9 +299,8 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
         TORCH_CHECK(slot.grad_input.has_value() && slot.grad_input->defined(), "stage ",
                     s, " backward returned no gradient for its input (micro-batch ", mb,
                     ")");
-        std::vector<at::Tensor> g = {
-            std::exchange(slot.grad_input, std::nullopt)->contiguous()};
-        pending.push_back(group_->send(g, rankOf(s - 1), tag(s, mb, true, false)));
+        const at::Tensor g = std::exchange(slot.grad_input, std::nullopt)->contiguous();
+        pending.push_back(send(g, rankOf(s - 1), tag(s, mb, true, false)));
         break;
       }
       case ActionType::kRecvB: {
@@ -298,6 +314,7 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
         break;
       }
     }
+    if (transfer) transfers_.emplace_back(dsp::pipeline::toString(a), started, now());
   }
   waitAll(pending);
 }

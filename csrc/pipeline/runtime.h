@@ -65,6 +65,9 @@ class Runtime {
 
   // The compute actions of the last step, in order.
   const std::vector<TraceEntry>& trace() const { return trace_; }
+  // Its transfer actions ("0SEND_F3", ...), in order: how long posting a send
+  // or completing a receive took, for the measured bubble's breakdown.
+  const std::vector<TraceEntry>& transferTrace() const { return transfers_; }
 
  private:
   struct Posted {  // a receive posted ahead
@@ -79,6 +82,11 @@ class Runtime {
   }
   bool local(int stage) const { return rankOf(stage) == my_rank_; }
   int tag(int stage, int mb, bool backward, bool header) const;
+  // The group's backend for the tensor's device, called directly: what
+  // ProcessGroup::send/recv do through the dispatcher, without its cost per call.
+  c10d::Backend& backendFor(const at::Tensor& t);
+  c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, int tag);
+  c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, int tag);
 
   void sendActivation(int stage, int mb, const at::Tensor& out,
                       std::vector<c10::intrusive_ptr<c10d::Work>>& pending);
@@ -93,7 +101,9 @@ class Runtime {
   // Each stage's output shape and dtype, fixed by its first micro-batch.
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> shapes_;
   std::map<Key, Posted> posted_;
-  std::vector<TraceEntry> trace_;
+  std::vector<TraceEntry> trace_, transfers_;
+  c10::intrusive_ptr<c10d::Backend> backend_;  // of backend_device_
+  c10::DeviceType backend_device_ = c10::DeviceType::CPU;
 };
 
 }  // namespace dsparallel::pipeline

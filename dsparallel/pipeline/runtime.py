@@ -171,6 +171,13 @@ class _PipelineSchedule:
         the measured bubble."""
         return list(self._runtime.trace)
 
+    @property
+    def transfer_trace(self) -> list[tuple[str, float, float]]:
+        """The last step's transfer actions ("0SEND_F3", "1RECV_B2", ...) as
+        (action, start s, end s): posting a send, completing a receive. For
+        ``bubble_breakdown``, which tells the part of the overhead spent in them."""
+        return list(self._runtime.transfer_trace)
+
     def split_report(self) -> dict[int, dict]:
         """How much of each local stage's backward the last step deferred to
         W (split schedules; empty for the others). Per stage index:

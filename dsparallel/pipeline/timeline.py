@@ -36,7 +36,10 @@ def parse_action(text: str) -> tuple[int, str, int]:
     return int(text[:i]), text[i:j], int(text[j:])
 
 
-def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, float]:
+def bubble_breakdown(
+    trace: list[list[tuple[str, float, float]]],
+    transfers: list[list[tuple[str, float, float]]] | None = None,
+) -> dict[str, float]:
     """Where a measured step's idle time went (one list per rank of the
     pipeline's group, stage s on rank s % ranks), as fractions of ranks x
     span, which add up to ``bubble(trace)``:
@@ -48,6 +51,10 @@ def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, f
       had not started: transfers, the runtime's bookkeeping, the Python
       callback around the compute;
     - ``tail``: after the rank's last action, until the last rank finished.
+
+    Given each rank's ``transfer_trace`` too, ``overhead`` is also split into
+    ``in_transfers`` (the rank was posting a send or completing a receive)
+    and ``between`` (the rest: bookkeeping between the actions).
     """
     ranks = len(trace)
     ends = {}
@@ -55,12 +62,14 @@ def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, f
         for text, _, e in rank:
             ends[parse_action(text)] = e
     spans = [(s, e) for rank in trace for _, s, e in rank]
+    keys = ["wait", "overhead", "tail"] + (["in_transfers", "between"] if transfers else [])
     if not spans:
-        return {"wait": 0.0, "overhead": 0.0, "tail": 0.0}
+        return dict.fromkeys(keys, 0.0)
     t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
     last_stage = max(stage for stage, _, _ in ends)
-    wait = overhead = tail = 0.0
-    for rank in trace:
+    wait = overhead = tail = in_transfers = 0.0
+    for r, rank in enumerate(trace):
+        moving = [(s, e) for _, s, e in transfers[r]] if transfers else []
         prev = t0
         for text, start, end in rank:
             stage, kind, mb = parse_action(text)
@@ -74,17 +83,24 @@ def bubble_breakdown(trace: list[list[tuple[str, float, float]]]) -> dict[str, f
             ready = min(start, max([prev] + [d for d in deps if d is not None]))
             wait += ready - prev
             overhead += start - ready
+            in_transfers += sum(max(0.0, min(e, start) - max(s, ready)) for s, e in moving)
             prev = max(prev, end)
         tail += t1 - prev
     total = ranks * (t1 - t0)
-    return {"wait": wait / total, "overhead": overhead / total, "tail": tail / total}
+    out = {"wait": wait / total, "overhead": overhead / total, "tail": tail / total}
+    if transfers:
+        out["in_transfers"] = in_transfers / total
+        out["between"] = (overhead - in_transfers) / total
+    return out
 
 
-def gather_trace(schedule_runner, group=None) -> list | None:
-    """All ranks' measured traces of the last ``step`` (on every rank)."""
+def gather_trace(schedule_runner, group=None, transfers: bool = False) -> list | None:
+    """All ranks' measured traces of the last ``step`` (on every rank); with
+    ``transfers``, their transfer traces instead."""
     group = group if group is not None else schedule_runner.group
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, schedule_runner.trace, group=group)
+    mine = schedule_runner.transfer_trace if transfers else schedule_runner.trace
+    dist.all_gather_object(everyone, mine, group=group)
     return everyone
 
 

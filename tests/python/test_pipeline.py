@@ -223,6 +223,11 @@ def test_bubble_breakdown_adds_up():
     want = {"wait": 3.0 / total, "overhead": 0.5 / total, "tail": 1.0 / total}
     assert parts == pytest.approx(want)
     assert sum(parts.values()) == pytest.approx(pp.bubble(trace))
+    # Given the transfers: rank 1 spent 0.2 of its 0.5 overhead receiving F1's
+    # input; its receive of F0's input (during the wait) is not overhead.
+    transfers = [[("0SEND_F1", 2.0, 2.1)], [("1RECV_F0", 0.5, 1.0), ("1RECV_F1", 3.2, 3.4)]]
+    split = pp.bubble_breakdown(trace, transfers)
+    assert split == pytest.approx({**want, "in_transfers": 0.2 / total, "between": 0.3 / total})
 
 
 def test_split_linear_passes_opcheck():
@@ -269,6 +274,27 @@ def _wrong_stage_body(rank, world):
 
 def test_stage_on_wrong_rank_is_refused():
     run_ranks(_wrong_stage_body, 2)
+
+
+def _traces_body(rank, world):
+    stage = pp.PipelineStage(nn.Linear(3, 3), rank, world)
+    sched = pp.Schedule1F1B(stage, 3, loss_fn=nn.functional.mse_loss)
+    _step_two_stages(sched, rank, torch.randn(6, 3), torch.randn(6, 3))
+    names = [str(a) for a in sched.actions]
+    compute = [n for n in names if "SEND" not in n and "RECV" not in n]
+    moving = [n for n in names if n not in compute]
+    assert [t[0] for t in sched.trace] == compute
+    assert [t[0] for t in sched.transfer_trace] == moving and moving
+    # One clock, in the order the actions ran.
+    spans = sorted(sched.trace + sched.transfer_trace, key=lambda t: t[1])
+    assert [t[0] for t in spans] == names
+    assert all(s <= e <= nxt for (_, s, e), (_, nxt, _) in zip(spans, spans[1:]))
+    everyone = pp.gather_trace(sched, transfers=True)
+    assert everyone[rank] == sched.transfer_trace and len(everyone) == world
+
+
+def test_step_records_its_compute_and_transfer_actions():
+    run_ranks(_traces_body, 2)
 
 
 def test_plot_planned_schedule(tmp_path):
