@@ -67,6 +67,16 @@ def _mean_costs(entries, n_stages) -> list[tuple[int, int, int, int]]:
     ]
 
 
+def _median_durations(entries) -> dict[str, float]:
+    """Per action kind ("SEND_F", ...), the median duration in microseconds."""
+    from dsparallel.pipeline.timeline import parse_action
+
+    per_kind = {}
+    for name, start, end in entries:
+        per_kind.setdefault(parse_action(name)[1], []).append(1e6 * (end - start))
+    return {k: statistics.median(v) for k, v in sorted(per_kind.items())}
+
+
 def _stage_module(index, width, blocks):
     import torch
     from torch import nn
@@ -195,6 +205,9 @@ def _worker(rank, world, args):
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
             row["breakdown"] = pp.bubble_breakdown(steps[median_step], moves[median_step])
+            row["transfers_us"] = _median_durations(
+                m for t in moves for rank_moves in t for m in rank_moves
+            )
             v = name in V_SHAPED
             n_stages = 2 * world if v else world
             entries = [e for t in steps for rank_trace in t for e in rank_trace]
@@ -265,6 +278,9 @@ def main():
             f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
             f"(planned {r['bubble_planned']:.1%})"
         )
+    for name, r in ours.items():
+        moves = ", ".join(f"{k} {v:.1f}" for k, v in r["transfers_us"].items())
+        print(f"our {name} median us per transfer action: {moves}")
     for name, r in ours.items():
         per_stage = "; ".join(
             f"s{s} " + " ".join(f"{k}{c}" for k, c in zip("FBIW", costs) if c > 1)

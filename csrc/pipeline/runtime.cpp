@@ -15,10 +15,12 @@
 #include "runtime.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "split_backward.h"
@@ -66,12 +68,20 @@ int64_t payloadBytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
   return n * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
-// The payload of a one-message activation, as a tensor over its bytes.
+// Between two compute actions an operator costs 5-15 us: three views of a
+// received message took 12 us there, against 1.5 us when repeated back to
+// back (the dispatcher's code has left the caches during the compute;
+// benchmarks/results/pipeline-2026-12-02.txt), several times a transfer's
+// copy. So the transfers allocate (at::detail::empty_cpu), copy and view
+// their buffers without dispatching operators.
+
+// The payload of a one-message activation, as a tensor over its bytes (which
+// it keeps alive).
 at::Tensor payloadOf(const at::Tensor& message, const std::vector<int64_t>& shape,
                      at::ScalarType dtype) {
-  return message.narrow(0, kPayloadOffset, payloadBytes(shape, dtype))
-      .view(dtype)
-      .view(shape);
+  return at::from_blob(
+      static_cast<char*>(message.data_ptr()) + kPayloadOffset, shape,
+      [keep = message](void*) {}, at::TensorOptions(dtype).device(message.device()));
 }
 
 void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
@@ -146,7 +156,7 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
       known == shapes_.end()
           ? kHeaderLen * 8
           : kPayloadOffset + payloadBytes(known->second.first, known->second.second);
-  at::Tensor message = at::empty({size}, at::kByte);
+  at::Tensor message = at::detail::empty_cpu({size}, at::kByte);
   int64_t* h = reinterpret_cast<int64_t*>(message.data_ptr());
   std::fill(h, h + kHeaderLen, 0);
   h[0] = out.dim();
@@ -165,7 +175,12 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
     pending.push_back(send(out.contiguous(), dst, tag(stage, mb, false, false)));
     return;
   }
-  payloadOf(message, known->second.first, known->second.second).copy_(out);
+  if (out.is_cpu() && out.is_contiguous()) {
+    std::memcpy(static_cast<char*>(message.data_ptr()) + kPayloadOffset, out.data_ptr(),
+                out.nbytes());
+  } else {
+    payloadOf(message, known->second.first, known->second.second).copy_(out);
+  }
   pending.push_back(send(message, dst, tag(stage, mb, false, true)));
 }
 
@@ -174,7 +189,7 @@ void Runtime::prefetchActivation(int stage, int mb) {
   const Key key{false, stage, mb};
   if (shape == shapes_.end() || posted_.count(key)) return;
   Posted p;
-  p.header = at::empty(
+  p.header = at::detail::empty_cpu(
       {kPayloadOffset + payloadBytes(shape->second.first, shape->second.second)},
       at::kByte);
   p.works.push_back(recv(p.header, rankOf(stage - 1), tag(stage - 1, mb, false, true)));
@@ -201,7 +216,7 @@ at::Tensor Runtime::receiveActivation(int stage, int mb) {
     posted_.erase(posted);
     waitAll(works);
   } else {
-    message = at::empty(
+    message = at::detail::empty_cpu(
         {kPayloadOffset + payloadBytes(known->second.first, known->second.second)},
         at::kByte);
     recv(message, src, tag(stage - 1, mb, false, true))->wait();
@@ -286,7 +301,8 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
         at::Tensor out = *std::exchange(slot.output, std::nullopt);
         sendActivation(s, mb, out, pending);
         Posted p;
-        p.data = at::empty_like(out);
+        p.data = out.is_cpu() ? at::detail::empty_cpu(out.sizes(), out.scalar_type())
+                              : at::empty(out.sizes(), out.options());
         p.works.push_back(recv(p.data, rankOf(s + 1), tag(s + 1, mb, true, false)));
         posted_.emplace(Key{true, s, mb}, std::move(p));
         break;

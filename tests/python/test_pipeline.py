@@ -297,6 +297,33 @@ def test_step_records_its_compute_and_transfer_actions():
     run_ranks(_traces_body, 2)
 
 
+class _ColumnMajor(nn.Module):
+    """The same values, laid out column-major: a non-contiguous stage output."""
+
+    def forward(self, x):
+        return x.t().contiguous().t()
+
+
+def _non_contiguous_body(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _ColumnMajor(), nn.Linear(6, 6))
+    x, y = _data()
+    nn.functional.mse_loss(model(x), y).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    stage = pp.PipelineStage(model[:2] if rank == 0 else model[2:], rank, world)
+    assert rank or not model[:2](x).is_contiguous()
+    _step_two_stages(pp.Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss), rank, x, y)
+    mine = model[:2] if rank == 0 else model[2:]
+    theirs = ref[:2] if rank == 0 else ref[2:]
+    for p, g in zip(mine.parameters(), theirs):
+        torch.testing.assert_close(p.grad, g, **TOL)
+
+
+def test_non_contiguous_stage_output_travels_intact():
+    run_ranks(_non_contiguous_body, 2)
+
+
 def test_plot_planned_schedule(tmp_path):
     path = pp.plot_schedule(pp.get_schedule("interleaved_1f1b", 4, 4, 2), str(tmp_path / "p.png"))
     with open(path, "rb") as f:
