@@ -42,8 +42,8 @@ const char* reduceOpName(ReduceOp op);
 std::string unsupportedReason(DType dtype, ReduceOp op);
 
 // dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i] for i < count.
-// dst may alias any source. AVG divides the sum by `divisor` (the group size).
-// fp16 and bf16 are accumulated in fp32 and rounded once.
+// dst may be any source (the same address; no partial overlap). AVG divides the sum by
+// `divisor` (the group size). fp16 and bf16 are accumulated in fp32 and rounded once.
 void reduceInto(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
                 ReduceOp op, int divisor);
 
