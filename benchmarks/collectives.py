@@ -72,7 +72,7 @@ BUS_FACTOR = {
     "broadcast": lambda n: 1.0,
 }
 TIME_BUDGET_S = 0.45  # per measurement, after warm-up
-ROUNDS = 3  # timed rounds; the median is reported
+ROUNDS = 5  # timed rounds, the engines taking turns; the median is reported
 
 
 def parse_bytes(s: str) -> int:
@@ -163,33 +163,44 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
     return run, check
 
 
-def _time(run, size_bytes):
-    """Seconds per call: the median over ROUNDS rounds of the slowest rank's mean."""
+def _time(runs, size_bytes):
+    """Seconds per call of each engine in ``runs`` (name -> run): the median
+    over ROUNDS rounds of the slowest rank's mean. The engines take turns
+    round by round, so that a burst of noise on a shared machine falls on all
+    of them alike and their ratio holds within one run."""
     import torch
     import torch.distributed as dist
 
     warm = 3 if size_bytes >= (16 << 20) else 20
-    for _ in range(warm):
-        run()
-    # Agree on an iteration count from a short probe so every rank runs the same.
-    dist.barrier()
-    t0 = time.perf_counter()
-    probe = 2
-    for _ in range(probe):
-        run()
-    per = torch.tensor([(time.perf_counter() - t0) / probe])
-    dist.all_reduce(per, op=dist.ReduceOp.MAX)
-    iters = int(min(2000, max(2, TIME_BUDGET_S / ROUNDS / max(per.item(), 1e-7))))
-    rounds = []
-    for _ in range(ROUNDS):
+    iters = {}
+    for name, run in runs.items():
+        for _ in range(warm):
+            run()
+        # Agree on an iteration count from a short probe so every rank runs the same.
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(iters):
+        probe = 2
+        for _ in range(probe):
             run()
-        mine = torch.tensor([(time.perf_counter() - t0) / iters])
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        rounds.append(mine.item())
-    return sorted(rounds)[len(rounds) // 2]
+        per = torch.tensor([(time.perf_counter() - t0) / probe])
+        dist.all_reduce(per, op=dist.ReduceOp.MAX)
+        iters[name] = int(min(2000, max(2, TIME_BUDGET_S / ROUNDS / max(per.item(), 1e-7))))
+    rounds = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            # A few untimed calls first: the engine before (gloo's threads,
+            # mostly) leaves the cores and caches unsettled for a while, and
+            # the first engine after it paid for that (up to 20x at 8 B).
+            for _ in range(min(warm, iters[name])):
+                run()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters[name]):
+                run()
+            mine = torch.tensor([(time.perf_counter() - t0) / iters[name]])
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            rounds[name].append(mine.item())
+    return {name: sorted(r)[len(r) // 2] for name, r in rounds.items()}
 
 
 def _deepspeed_op(n):
@@ -241,13 +252,16 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
             engines = {name: (group, "dist") for name, group in groups.items()}
             if coll == "all_reduce":
                 engines.update(extras)
+            runs = {}
             for name, (group, engine) in engines.items():
                 run, check = _make_op(coll, n, rank, size, group, dtype, engine)
                 wrong = torch.tensor([check()])
                 dist.all_reduce(wrong, group=None)
-                secs = _time(run, size)
-                row[name] = {"us": secs * 1e6, "wrong": int(wrong.item())}
-                del run, check
+                row[name] = {"wrong": int(wrong.item())}
+                runs[name] = run
+            for name, secs in _time(runs, size).items():
+                row[name]["us"] = secs * 1e6
+            del runs
             rows.append(row)
             if rank == 0:
                 print(_format_row(row), flush=True)
