@@ -48,16 +48,22 @@ SCHEDULES = {
 V_SHAPED = ("zbv", "dualpipev")
 
 
+def _durations_by(entries, key) -> dict:
+    """The durations (seconds) of trace entries, grouped by ``key(stage, kind)``."""
+    from dsparallel.pipeline.timeline import parse_action
+
+    groups = {}
+    for name, start, end in entries:
+        stage, kind, _ = parse_action(name)
+        groups.setdefault(key(stage, kind), []).append(end - start)
+    return groups
+
+
 def _mean_costs(entries, n_stages) -> list[tuple[int, int, int, int]]:
     """Per stage, the mean measured (F, B, I, W) durations in microseconds
     (1 where absent): stages differ (the first computes no input gradient,
     the last adds the loss)."""
-    from dsparallel.pipeline.timeline import parse_action
-
-    per_kind = {}
-    for name, start, end in entries:
-        stage, kind, _ = parse_action(name)
-        per_kind.setdefault((stage, kind), []).append(end - start)
+    per_kind = _durations_by(entries, lambda stage, kind: (stage, kind))
     return [
         tuple(
             max(1, round(1e6 * statistics.mean(per_kind[(s, k)]))) if (s, k) in per_kind else 1
@@ -69,12 +75,8 @@ def _mean_costs(entries, n_stages) -> list[tuple[int, int, int, int]]:
 
 def _median_durations(entries) -> dict[str, float]:
     """Per action kind ("SEND_F", ...), the median duration in microseconds."""
-    from dsparallel.pipeline.timeline import parse_action
-
-    per_kind = {}
-    for name, start, end in entries:
-        per_kind.setdefault(parse_action(name)[1], []).append(1e6 * (end - start))
-    return {k: statistics.median(v) for k, v in sorted(per_kind.items())}
+    per_kind = _durations_by(entries, lambda stage, kind: kind)
+    return {k: 1e6 * statistics.median(v) for k, v in sorted(per_kind.items())}
 
 
 def _stage_module(index, width, blocks):

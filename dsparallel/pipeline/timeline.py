@@ -69,7 +69,10 @@ def bubble_breakdown(
     last_stage = max(stage for stage, _, _ in ends)
     wait = overhead = tail = in_transfers = 0.0
     for r, rank in enumerate(trace):
-        moving = [(s, e) for _, s, e in transfers[r]] if transfers else []
+        # A rank's transfers and its actions' idle windows both come in time
+        # order, so one pointer walk finds each window's transfers.
+        moving = sorted((s, e) for _, s, e in transfers[r]) if transfers else []
+        first = 0
         prev = t0
         for text, start, end in rank:
             stage, kind, mb = parse_action(text)
@@ -83,7 +86,13 @@ def bubble_breakdown(
             ready = min(start, max([prev] + [d for d in deps if d is not None]))
             wait += ready - prev
             overhead += start - ready
-            in_transfers += sum(max(0.0, min(e, start) - max(s, ready)) for s, e in moving)
+            while first < len(moving) and moving[first][1] <= ready:
+                first += 1
+            k = first
+            while k < len(moving) and moving[k][0] < start:
+                s, e = moving[k]
+                in_transfers += max(0.0, min(e, start) - max(s, ready))
+                k += 1
             prev = max(prev, end)
         tail += t1 - prev
     total = ranks * (t1 - t0)
