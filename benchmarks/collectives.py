@@ -188,9 +188,8 @@ def _time(runs, size_bytes):
     rounds = {name: [] for name in runs}
     for _ in range(ROUNDS):
         for name, run in runs.items():
-            # A few untimed calls first: the engine before (gloo's threads,
-            # mostly) leaves the cores and caches unsettled for a while, and
-            # the first engine after it paid for that (up to 20x at 8 B).
+            # A few untimed calls first: the engine before leaves the caches
+            # (and the other rank's core) in its own state.
             for _ in range(min(warm, iters[name])):
                 run()
             dist.barrier()
@@ -259,8 +258,13 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
                 dist.all_reduce(wrong, group=None)
                 row[name] = {"wrong": int(wrong.item())}
                 runs[name] = run
-            for name, secs in _time(runs, size).items():
-                row[name]["us"] = secs * 1e6
+            # gloo on its own: after a gloo call the shared-memory engines ran
+            # up to 20x slower for a while on the 2-core machine (its threads
+            # and sockets), which would spoil their ratios to each other.
+            gloo = {"gloo": runs.pop("gloo")}
+            for part in (gloo, runs):
+                for name, secs in _time(part, size).items():
+                    row[name]["us"] = secs * 1e6
             del runs
             rows.append(row)
             if rank == 0:
