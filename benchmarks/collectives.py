@@ -487,8 +487,9 @@ def main():
             world_rows = run_ranks(
                 _worker, n, args.collectives, sizes, args.nodes, args.dtype, not args.no_deepspeed
             )
-        # mpi4py reduces no bfloat16: the MPI column is float32 only.
-        mpi_ok = args.nodes == 1 and not args.no_mpi and args.dtype == "float32"
+        # mpi4py reduces no bfloat16: the MPI column is float32 only. At world
+        # size 1 there is no bus bandwidth to compare (its factor is 0).
+        mpi_ok = args.nodes == 1 and n > 1 and not args.no_mpi and args.dtype == "float32"
         mpi_ok = mpi_ok and _mpi_available()
         for collective in args.collectives if mpi_ok else []:
             mpi = _run_mpi(n, collective, sizes)
