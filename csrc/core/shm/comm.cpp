@@ -441,6 +441,12 @@ BufferList::BufferList(std::vector<void*> ptrs, std::vector<size_t> counts,
 
 namespace {
 
+// A one-rank group's result is its own input: copied where the output is
+// elsewhere, and nothing goes through the segment.
+void copyAlone(void* to, const void* from, size_t bytes) {
+  if (to != from && bytes) std::memmove(to, from, bytes);
+}
+
 // One contiguous input and output (which may be the same). `stream`: the
 // copies out of the segment stream (a separate output outgrows the cache).
 struct ContiguousIo {
@@ -459,9 +465,7 @@ struct ContiguousIo {
     if (n) fn(out + off * es, size_t{0}, n);
   }
   // The whole result when this rank is the only one: its input.
-  void alone(size_t count) const {
-    if (in != out && count) std::memcpy(out, in, count * es);
-  }
+  void alone(size_t count) const { copyAlone(out, in, count * es); }
 };
 
 // Several buffers, in place.
@@ -509,9 +513,9 @@ void ShmComm::allReduce(const BufferList& buffers, const CallInfo& info) {
 template <typename Io>
 void ShmComm::allReduceWith(const Io& io, size_t count, const CallInfo& info) {
   begin(info);
-  // One rank: every op over one operand is the operand (AVG divides by 1),
-  // so nothing goes through the segment, which cost a world-size-1 group
-  // (a data-parallel size of 1 in init_parallel) 5 ms at 64 MB.
+  // One rank: every op over one operand is the operand (AVG divides by 1).
+  // Through the segment this cost a world-size-1 group (a data-parallel
+  // size of 1 in init_parallel) 5 ms at 64 MB.
   if (size_ == 1) return io.alone(count);
   const size_t bytes = count * elementSize(info.dtype);
   if (bytes <= options_.one_shot_max_bytes && bytes <= options_.chunk_bytes) {
@@ -637,6 +641,7 @@ void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
 void ShmComm::reduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
   const size_t es = elementSize(info.dtype);
+  if (size_ == 1) return copyAlone(out, in, count * es);
   std::vector<const void*> srcs(size_);
   chunkedSteps(
       count, slotBytes() / es, count, info,
@@ -660,6 +665,7 @@ void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
                      const CallInfo& info) {
   begin(info);
+  if (size_ == 1) return copyAlone(outs[0], in, bytes);
   const bool reads = info.kind == Collective::kAllGather || rank_ == info.root;
   const bool stream = streams(bytes * size_);
   chunkedSteps(
@@ -692,6 +698,7 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
                       const CallInfo& info) {
   begin(info);
+  if (size_ == 1) return copyAlone(out, ins[0], bytes);
   const size_t per = slotBytes() / size_;  // root's slot holds n pieces
   chunkedSteps(
       bytes, per, bytes, info,
@@ -728,6 +735,11 @@ void ShmComm::reduceScatter(const BufferList& in, void* out, size_t count,
         "elements of the dtype");
   }
   begin(info);
+  if (size_ == 1) {
+    return in.forRange(0, count, [&](char* p, size_t done, size_t k) {
+      copyAlone(static_cast<char*>(out) + done * es, p, k * es);
+    });
+  }
   const size_t per = slotBytes() / size_ / es;  // elements per block per step
   std::vector<const void*> srcs(size_);
   chunkedSteps(
