@@ -270,7 +270,21 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
             if rank == 0:
                 print(_format_row(row), flush=True)
     dist.destroy_process_group()
+    if "deepspeed" in extras:
+        _remove_deepspeed_segments(rank)
     return rows
+
+
+def _remove_deepspeed_segments(rank):
+    """DeepSpeed's shared-memory all-reduce never unlinks its segments (one
+    per rank, named for the job's address and port): left alone, repeated
+    runs filled 9 GB of /dev/shm on the 2-core machine. Each rank removes its
+    own once the group is gone."""
+    import glob
+
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
+        os.remove(path)
 
 
 def _mpi_available():
