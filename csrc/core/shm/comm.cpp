@@ -442,9 +442,14 @@ BufferList::BufferList(std::vector<void*> ptrs, std::vector<size_t> counts,
 namespace {
 
 // A one-rank group's result is its own input: copied where the output is
-// elsewhere, and nothing goes through the segment.
-void copyAlone(void* to, const void* from, size_t bytes) {
-  if (to != from && bytes) std::memmove(to, from, bytes);
+// elsewhere (streamed, as the segment's copies are, when `stream`), and
+// nothing goes through the segment.
+void copyAlone(void* to, const void* from, size_t bytes, bool stream) {
+  if (to == from || bytes == 0) return;
+  const auto* t = static_cast<const char*>(to);
+  const auto* f = static_cast<const char*>(from);
+  if (t < f + bytes && f < t + bytes) return (void)std::memmove(to, from, bytes);
+  copyOut(to, from, bytes, stream);
 }
 
 // One contiguous input and output (which may be the same). `stream`: the
@@ -465,7 +470,7 @@ struct ContiguousIo {
     if (n) fn(out + off * es, size_t{0}, n);
   }
   // The whole result when this rank is the only one: its input.
-  void alone(size_t count) const { copyAlone(out, in, count * es); }
+  void alone(size_t count) const { copyAlone(out, in, count * es, stream); }
 };
 
 // Several buffers, in place.
@@ -641,7 +646,7 @@ void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
 void ShmComm::reduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
   const size_t es = elementSize(info.dtype);
-  if (size_ == 1) return copyAlone(out, in, count * es);
+  if (size_ == 1) return copyAlone(out, in, count * es, streams(count * es));
   std::vector<const void*> srcs(size_);
   chunkedSteps(
       count, slotBytes() / es, count, info,
@@ -665,7 +670,7 @@ void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
                      const CallInfo& info) {
   begin(info);
-  if (size_ == 1) return copyAlone(outs[0], in, bytes);
+  if (size_ == 1) return copyAlone(outs[0], in, bytes, streams(bytes));
   const bool reads = info.kind == Collective::kAllGather || rank_ == info.root;
   const bool stream = streams(bytes * size_);
   chunkedSteps(
@@ -698,7 +703,7 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
                       const CallInfo& info) {
   begin(info);
-  if (size_ == 1) return copyAlone(out, ins[0], bytes);
+  if (size_ == 1) return copyAlone(out, ins[0], bytes, streams(bytes));
   const size_t per = slotBytes() / size_;  // root's slot holds n pieces
   chunkedSteps(
       bytes, per, bytes, info,
@@ -737,7 +742,7 @@ void ShmComm::reduceScatter(const BufferList& in, void* out, size_t count,
   begin(info);
   if (size_ == 1) {
     return in.forRange(0, count, [&](char* p, size_t done, size_t k) {
-      copyAlone(static_cast<char*>(out) + done * es, p, k * es);
+      copyAlone(static_cast<char*>(out) + done * es, p, k * es, streams(count * es));
     });
   }
   const size_t per = slotBytes() / size_ / es;  // elements per block per step
