@@ -441,10 +441,11 @@ BufferList::BufferList(std::vector<void*> ptrs, std::vector<size_t> counts,
 
 namespace {
 
-// A one-rank group's result is its own input: copied where the output is
-// elsewhere (streamed, as the segment's copies are, when `stream`), and
-// nothing goes through the segment.
-void copyAlone(void* to, const void* from, size_t bytes, bool stream) {
+// A rank's own data into its output, not through the segment: nothing when
+// it is already there, memmove where the two overlap, else a copy that
+// streams when `stream` (as the segment's copies do). A one-rank group's
+// every result is this copy.
+void copyOwn(void* to, const void* from, size_t bytes, bool stream) {
   if (to == from || bytes == 0) return;
   const auto* t = static_cast<const char*>(to);
   const auto* f = static_cast<const char*>(from);
@@ -470,7 +471,7 @@ struct ContiguousIo {
     if (n) fn(out + off * es, size_t{0}, n);
   }
   // The whole result when this rank is the only one: its input.
-  void alone(size_t count) const { copyAlone(out, in, count * es, stream); }
+  void alone(size_t count) const { copyOwn(out, in, count * es, stream); }
 };
 
 // Several buffers, in place.
@@ -646,7 +647,7 @@ void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
 void ShmComm::reduce(const void* in, void* out, size_t count, const CallInfo& info) {
   begin(info);
   const size_t es = elementSize(info.dtype);
-  if (size_ == 1) return copyAlone(out, in, count * es, streams(count * es));
+  if (size_ == 1) return copyOwn(out, in, count * es, streams(count * es));
   std::vector<const void*> srcs(size_);
   chunkedSteps(
       count, slotBytes() / es, count, info,
@@ -670,7 +671,7 @@ void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
                      const CallInfo& info) {
   begin(info);
-  if (size_ == 1) return copyAlone(outs[0], in, bytes, streams(bytes));
+  if (size_ == 1) return copyOwn(outs[0], in, bytes, streams(bytes));
   const bool reads = info.kind == Collective::kAllGather || rank_ == info.root;
   const bool stream = streams(bytes * size_);
   chunkedSteps(
@@ -686,16 +687,8 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
             copyOut(to, slot(r, s), len, stream);
             continue;
           }
-          // Our own piece comes from our input, not back out of the segment;
-          // in place (the output's piece is the input) it is already there.
-          const char* from = static_cast<const char*>(in) + off;
-          if (to == from) continue;
-          const bool overlap = to < from + len && from < to + len;
-          if (overlap) {
-            std::memmove(to, from, len);
-          } else {
-            copyOut(to, from, len, stream);
-          }
+          // Our own piece comes from our input, not back out of the segment.
+          copyOwn(to, static_cast<const char*>(in) + off, len, stream);
         }
       });
 }
@@ -703,7 +696,7 @@ void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
 void ShmComm::scatter(const void* const* ins, void* out, size_t bytes,
                       const CallInfo& info) {
   begin(info);
-  if (size_ == 1) return copyAlone(out, ins[0], bytes, streams(bytes));
+  if (size_ == 1) return copyOwn(out, ins[0], bytes, streams(bytes));
   const size_t per = slotBytes() / size_;  // root's slot holds n pieces
   chunkedSteps(
       bytes, per, bytes, info,
@@ -741,8 +734,9 @@ void ShmComm::reduceScatter(const BufferList& in, void* out, size_t count,
   }
   begin(info);
   if (size_ == 1) {
+    const bool stream = streams(count * es);
     return in.forRange(0, count, [&](char* p, size_t done, size_t k) {
-      copyAlone(static_cast<char*>(out) + done * es, p, k * es, streams(count * es));
+      copyOwn(static_cast<char*>(out) + done * es, p, k * es, stream);
     });
   }
   const size_t per = slotBytes() / size_ / es;  // elements per block per step
