@@ -8,21 +8,22 @@ blocks per rank, or for the V-shaped schedules two stages of one block,
 rank r holding stages r and 2 x ranks - 1 - r). For GPipe, 1F1B,
 zero-bubble ZB-H1 (torch's ScheduleInterleavedZeroBubble with one stage
 per rank, ours "zb1p"), ZBV and DualPipeV under both libraries it reports
-the median step
-time (slowest rank; the six configurations timed in interleaved rounds),
-the measured bubble of our runs (from per-action times: 1 - busy / (ranks x
-span); the median over the timed steps, with its range) next to the planned
-one (the C++ simulator run with each stage's mean measured F, B, I and W
-times in that schedule), and the first stage's peak activation memory: bytes of
+the median step time (slowest rank; the six configurations timed in
+interleaved rounds), the measured bubble of our runs (from per-action
+times: 1 - busy / (ranks x span); the median over the timed steps, with its
+range) next to the planned one (the C++ simulator run with each stage's
+mean measured F, B, I and W times in that schedule) and the one replayed
+from each step's own action times (``pp.replayed``: the measured order and
+durations, no runtime, so what the measured bubble has beyond it is the
+runtime's), and the first stage's peak activation memory: bytes of
 distinct storages held by autograd for backward (tensors saved through
 saved_tensors_hooks), measured the same way for both; for ours, next to the
 schedule's bound for that rank (its planned peak of micro-batches in flight
 times what one micro-batch adds to a stage, plus what is saved once: the
-weights and the batch's storage). For the split
-schedules it says which share of the backward time was W (deferred) and
-which parameters, if any, had their gradient computed inside I. The last
-lines set each split schedule's measured step time against our 1F1B's next
-to the planned ratio.
+weights and the batch's storage). For the split schedules it says which
+share of the backward time was W (deferred) and which parameters, if any,
+had their gradient computed inside I. The last lines set each split
+schedule's measured step time against our 1F1B's next to the planned ratio.
 """
 
 from __future__ import annotations
@@ -206,6 +207,11 @@ def _worker(rank, world, args):
             median_bubble, median_step = bubbles[len(bubbles) // 2]
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
+            # Each step replayed with its own action times and no runtime:
+            # the schedule's bubble under the compute that happened.
+            replays = [pp.bubble(pp.replayed(t)) for t in steps]
+            row["bubble_replayed"] = statistics.median(replays)
+            row["over_replayed"] = sorted(pp.bubble(t) / b for t, b in zip(steps, replays))
             row["breakdown"] = pp.bubble_breakdown(steps[median_step], moves[median_step])
             row["transfers_us"] = _median_durations(
                 m for t in moves for rank_moves in t for m in rank_moves
@@ -279,6 +285,13 @@ def main():
         print(
             f"our {name} measured bubble {r['bubble_measured']:.1%} = {parts} "
             f"(planned {r['bubble_planned']:.1%})"
+        )
+    for name, r in ours.items():
+        over = r["over_replayed"]
+        print(
+            f"our {name} bubble replayed from each step's own action times (no runtime): "
+            f"{r['bubble_replayed']:.1%} median; measured / replayed "
+            f"{statistics.median(over):.2f} median ({over[0]:.2f}-{over[-1]:.2f})"
         )
     for name, r in ours.items():
         moves = ", ".join(f"{k} {v:.1f}" for k, v in r["transfers_us"].items())

@@ -20,7 +20,14 @@ from .runtime import (
 from .schedule import Action, Schedule, get_schedule
 from .split import split_linear
 from .stage import PipelineStage
-from .timeline import bubble, bubble_breakdown, gather_trace, planned_trace, plot_schedule
+from .timeline import (
+    bubble,
+    bubble_breakdown,
+    gather_trace,
+    planned_trace,
+    plot_schedule,
+    replayed,
+)
 
 __all__ = [
     "Action",
@@ -38,5 +45,6 @@ __all__ = [
     "get_schedule",
     "planned_trace",
     "plot_schedule",
+    "replayed",
     "split_linear",
 ]

@@ -36,6 +36,19 @@ def parse_action(text: str) -> tuple[int, str, int]:
     return int(text[:i]), text[i:j], int(text[j:])
 
 
+def _inputs_of(stage: int, kind: str, mb: int, last_stage: int) -> list[tuple[int, str, int]]:
+    """The compute actions whose results ``(stage, kind, mb)`` needs: a
+    forward the previous stage's forward, a W its own I, a B or I the next
+    stage's input gradient (B or I, whichever that schedule ran)."""
+    if kind == "F":
+        return [(stage - 1, "F", mb)] if stage > 0 else []
+    if kind == "W":
+        return [(stage, "I", mb)]
+    if stage == last_stage:
+        return []
+    return [(stage + 1, "B", mb), (stage + 1, "I", mb)]
+
+
 def bubble_breakdown(
     trace: list[list[tuple[str, float, float]]],
     transfers: list[list[tuple[str, float, float]]] | None = None,
@@ -75,15 +88,9 @@ def bubble_breakdown(
         first = 0
         prev = t0
         for text, start, end in rank:
-            stage, kind, mb = parse_action(text)
-            if kind == "F":
-                deps = [ends.get((stage - 1, "F", mb))] if stage > 0 else []
-            elif kind == "W":
-                deps = [ends.get((stage, "I", mb))]
-            else:  # B or I: the next stage's input gradient
-                nxt = [ends.get((stage + 1, k, mb)) for k in ("B", "I")]
-                deps = [e for e in nxt if e is not None] if stage < last_stage else []
-            ready = min(start, max([prev] + [d for d in deps if d is not None]))
+            needs = _inputs_of(*parse_action(text), last_stage)
+            deps = [ends[n] for n in needs if n in ends]
+            ready = min(start, max([prev] + deps))
             wait += ready - prev
             overhead += start - ready
             while first < len(moving) and moving[first][1] <= ready:
@@ -100,6 +107,45 @@ def bubble_breakdown(
     if transfers:
         out["in_transfers"] = in_transfers / total
         out["between"] = (overhead - in_transfers) / total
+    return out
+
+
+def replayed(trace: list[list[tuple[str, float, float]]]) -> list[list[tuple[str, float, float]]]:
+    """The measured step replayed without the runtime: each rank runs its
+    actions in the order it ran them, each lasting exactly as long as it
+    did, each starting the moment the rank is free and its inputs exist
+    (transfers free, nothing between actions).
+
+    Its bubble is the schedule's own under the compute that actually
+    happened: a plan from mean action times misses that a zero-bubble
+    schedule's slack is small, so one slow F or I on this noisy machine
+    delays its consumers. What the measured bubble has beyond the replayed
+    one is the runtime's (transfers, bookkeeping, and their knock-on)."""
+    spans = [s for rank in trace for _, s, _ in rank]
+    if not spans:
+        return [[] for _ in trace]
+    t0 = min(spans)
+    parsed = [[(parse_action(text), text, end - start) for text, start, end in r] for r in trace]
+    last_stage = max(stage for r in parsed for (stage, _, _), _, _ in r)
+    ends: dict[tuple[int, str, int], float] = {}
+    out: list[list[tuple[str, float, float]]] = [[] for _ in trace]
+    free = [t0] * len(trace)
+    pending = sum(len(r) for r in parsed)
+    while pending:
+        progressed = False
+        for r, actions in enumerate(parsed):
+            while len(out[r]) < len(actions):
+                key, text, duration = actions[len(out[r])]
+                needs = _inputs_of(*key, last_stage)
+                if needs and not any(n in ends for n in needs):
+                    break  # its input comes from a rank not replayed this far
+                start = max([free[r]] + [ends[n] for n in needs if n in ends])
+                ends[key] = free[r] = start + duration
+                out[r].append((text, start, start + duration))
+                pending -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the trace cannot be replayed: its actions wait on each other")
     return out
 
 

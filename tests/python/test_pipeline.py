@@ -230,6 +230,35 @@ def test_bubble_breakdown_adds_up():
     assert split == pytest.approx({**want, "in_transfers": 0.2 / total, "between": 0.3 / total})
 
 
+def test_replayed_removes_the_runtime_keeps_the_waits():
+    """The trace above without its half-unit overhead: rank 1's F1 starts when
+    rank 0's F1 ends and rank 1 is free, every later action moves up, and the
+    waits the schedule forces stay."""
+    trace = [
+        [("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0), ("0B0", 3.0, 4.0), ("0B1", 5.0, 6.0)],
+        [("1F0", 1.0, 2.0), ("1B0", 2.0, 3.0), ("1F1", 3.5, 4.5), ("1B1", 4.5, 5.0)],
+    ]
+    assert pp.replayed(trace) == [
+        [("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0), ("0B0", 3.0, 4.0), ("0B1", 4.5, 5.5)],
+        [("1F0", 1.0, 2.0), ("1B0", 2.0, 3.0), ("1F1", 3.0, 4.0), ("1B1", 4.0, 4.5)],
+    ]
+    assert pp.bubble(pp.replayed(trace)) == pytest.approx(1 - 7.5 / 11)
+    # Split backward: a W waits for its own I only, an I for the next stage's
+    # I: rank 0's I0 moves up to the end of rank 1's I0.
+    zb = [
+        [("0F0", 0, 1), ("0F1", 1, 2), ("0I0", 4, 5), ("0W0", 5, 6), ("0I1", 6, 7), ("0W1", 7, 8)],
+        [("1F0", 1, 2), ("1I0", 2, 3), ("1W0", 3, 4), ("1F1", 4, 5), ("1I1", 5, 6), ("1W1", 6, 7)],
+    ]
+    assert pp.replayed(zb) == [
+        [("0F0", 0, 1), ("0F1", 1, 2), ("0I0", 3, 4), ("0W0", 4, 5), ("0I1", 6, 7), ("0W1", 7, 8)],
+        [("1F0", 1, 2), ("1I0", 2, 3), ("1W0", 3, 4), ("1F1", 4, 5), ("1I1", 5, 6), ("1W1", 6, 7)],
+    ]
+    # Ranks that wait on each other: rank 0's B0 needs rank 1's B0, which
+    # comes after rank 1's F0, which needs rank 0's F0, which comes after B0.
+    with pytest.raises(ValueError, match="cannot be replayed"):
+        pp.replayed([[("0B0", 0, 1), ("0F0", 1, 2)], [("1F0", 0, 1), ("1B0", 1, 2)]])
+
+
 def test_split_linear_passes_opcheck():
     x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
     torch.library.opcheck(torch.ops.dsparallel.split_linear, (x, w, b))
