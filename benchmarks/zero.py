@@ -143,6 +143,37 @@ def _body(rank, world, config, layers, width, steps):
     return rows
 
 
+def _compare(results, world):
+    """The summary lines of one world size, from whichever rows ran."""
+
+    def step_of(config):
+        return results[(world, config)][0]["step"] if (world, config) in results else None
+
+    against = [
+        ("ours-ddp+adamw", "our DDP + AdamW"),
+        ("ddp+torch-zero1", "torch DDP + torch ZeroRedundancyOptimizer"),
+        ("ddp+torch-zero1-fused", "the same with fused=True"),
+    ]
+    for config in ("ours-zero2", "ours-zero2-overlap"):
+        step = step_of(config)
+        ratios = [f"{step / step_of(c):.2f}x {name}" for c, name in against if step and step_of(c)]
+        if ratios:
+            print(f"{config} step time: " + ", ".join(ratios))
+    if step_of("fsdp2") and step_of("fsdp2-gloo"):
+        ratio = step_of("fsdp2") / step_of("fsdp2-gloo")
+        print(f"FSDP2 step time over dsp: {ratio:.2f}x over gloo")
+    if (world, "ours-zero2") in results and (world, "ddp+adamw") in results:
+        z2, plain = results[(world, "ours-zero2")], results[(world, "ddp+adamw")][0]
+        print(
+            "stage 2 per rank / (plain / N): opt state "
+            f"{[round(x['state'] / (plain['state'] / world), 4) for x in z2]}, grads "
+            f"{[round(x['grads'] / (plain['grads'] / world), 4) for x in z2]} "
+            f"(grads include the most the reducer held besides its shards during "
+            f"backward: {z2[0]['staging'] / 1e6:.1f} MB; the largest bucket is "
+            f"{z2[0]['bucket'] / 1e6:.1f} MB)"
+        )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -156,6 +187,7 @@ def main():
         help="runs per configuration, round-robin over the configurations; the step "
         "time is the median of the runs' medians (runs drift by about 10%% here)",
     )
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS)
     p.add_argument("--png", help="stacked bars of memory per rank")
     args = p.parse_args()
     n = args.layers * (args.width * args.width + args.width)
@@ -167,14 +199,14 @@ def main():
             f"{'config':>21} | {'params':>7} {'grads':>7} {'opt state':>9} {'peak RSS':>8} | "
             f"{'state/base':>10} {'step ms':>8} {'step/base':>9}"
         )
-        runs = {c: [] for c in CONFIGS}
+        runs = {c: [] for c in args.configs}
         for _ in range(args.repeats):
-            for config in CONFIGS:
+            for config in args.configs:
                 runs[config].append(
                     run_ranks(_body, world, config, args.layers, args.width, args.steps)
                 )
         base = None
-        for config in CONFIGS:
+        for config in args.configs:
             # Bytes are the same every run; the step time is the median over runs.
             r = runs[config][-1]
             every = [run[0]["step"] for run in runs[config]]
@@ -193,31 +225,7 @@ def main():
             if world > 1:
                 states = [x["state"] for x in r]
                 print(f"{'':>21}   opt state per rank (MB): {[round(s / mb, 1) for s in states]}")
-        if all((world, c) in results for c in ("ours-zero2", "ours-ddp+adamw", "ddp+torch-zero1")):
-            z2 = results[(world, "ours-zero2")]
-            plain = results[(world, "ddp+adamw")][0]
-            ours = results[(world, "ours-ddp+adamw")][0]["step"]
-            torch_zero = results[(world, "ddp+torch-zero1")][0]["step"]
-            fused = results[(world, "ddp+torch-zero1-fused")][0]["step"]
-            for config in ("ours-zero2", "ours-zero2-overlap"):
-                step = results[(world, config)][0]["step"]
-                print(
-                    f"{config} step time: {step / ours:.2f}x our DDP + AdamW, "
-                    f"{step / torch_zero:.2f}x torch DDP + torch ZeroRedundancyOptimizer "
-                    f"({step / fused:.2f}x the same with fused=True)"
-                )
-            if (world, "fsdp2-gloo") in results:
-                over_gloo = results[(world, "fsdp2-gloo")][0]["step"]
-                step = results[(world, "fsdp2")][0]["step"]
-                print(f"FSDP2 step time over dsp: {step / over_gloo:.2f}x over gloo")
-            print(
-                "stage 2 per rank / (plain / N): opt state "
-                f"{[round(x['state'] / (plain['state'] / world), 4) for x in z2]}, grads "
-                f"{[round(x['grads'] / (plain['grads'] / world), 4) for x in z2]} "
-                f"(grads include the most the reducer held besides its shards during "
-                f"backward: {z2[0]['staging'] / 1e6:.1f} MB; the largest bucket is "
-                f"{z2[0]['bucket'] / 1e6:.1f} MB)"
-            )
+        _compare(results, world)
     if args.png:
         import matplotlib
 
@@ -226,15 +234,15 @@ def main():
 
         fig, axes = plt.subplots(1, len(args.worlds), figsize=(6 * len(args.worlds), 4))
         for ax, world in zip(axes if len(args.worlds) > 1 else [axes], args.worlds):
-            rows = [results[(world, c)][0] for c in CONFIGS]
-            bottom = [0.0] * len(CONFIGS)
+            rows = [results[(world, c)][0] for c in args.configs]
+            bottom = [0.0] * len(args.configs)
             for key in ("params", "grads", "state"):
                 vals = [r[key] / 1e6 for r in rows]
-                ax.bar(CONFIGS, vals, bottom=bottom, label=key)
+                ax.bar(args.configs, vals, bottom=bottom, label=key)
                 bottom = [b + v for b, v in zip(bottom, vals)]
             ax.set_title(f"{world} ranks: memory per rank (rank 0)")
             ax.set_ylabel("MB")
-            ax.set_xticks(range(len(CONFIGS)), CONFIGS, rotation=30, ha="right")
+            ax.set_xticks(range(len(args.configs)), args.configs, rotation=30, ha="right")
             ax.legend()
         fig.tight_layout()
         fig.savefig(args.png)
