@@ -118,7 +118,7 @@ def replayed(trace: list[list[tuple[str, float, float]]]) -> list[list[tuple[str
 
     Its bubble is the schedule's own under the compute that actually
     happened: a plan from mean action times misses that a zero-bubble
-    schedule's slack is small, so one slow F or I on this noisy machine
+    schedule's slack is small, so on a noisy machine one slow F or I
     delays its consumers. What the measured bubble has beyond the replayed
     one is the runtime's (transfers, bookkeeping, and their knock-on)."""
     spans = [s for rank in trace for _, s, _ in rank]
