@@ -203,7 +203,8 @@ def _worker(rank, world, args):
             dist.all_gather_object(everyone, traces_of)
             steps = [[everyone[r][i][0] for r in range(world)] for i in range(len(traces_of))]
             moves = [[everyone[r][i][1] for r in range(world)] for i in range(len(traces_of))]
-            bubbles = sorted((pp.bubble(t), i) for i, t in enumerate(steps))
+            measured = [pp.bubble(t) for t in steps]
+            bubbles = sorted((b, i) for i, b in enumerate(measured))
             median_bubble, median_step = bubbles[len(bubbles) // 2]
             row["bubble_measured"] = median_bubble
             row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
@@ -211,7 +212,7 @@ def _worker(rank, world, args):
             # the schedule's bubble under the compute that happened.
             replays = [pp.bubble(pp.replayed(t)) for t in steps]
             row["bubble_replayed"] = statistics.median(replays)
-            row["over_replayed"] = sorted(pp.bubble(t) / b for t, b in zip(steps, replays))
+            row["over_replayed"] = sorted(m / r for m, r in zip(measured, replays))
             row["breakdown"] = pp.bubble_breakdown(steps[median_step], moves[median_step])
             row["transfers_us"] = _median_durations(
                 m for t in moves for rank_moves in t for m in rank_moves
