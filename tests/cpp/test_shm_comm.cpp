@@ -188,6 +188,45 @@ TEST(ShmComm, PipelinedAllReduceThenBroadcastBackToBack) {
   }));
 }
 
+// Broadcasts back to back with rotating roots, sizes from under a slot to
+// several slots, and collectives that write whole slots in between (an
+// all-gather, a one-element broadcast): every rank must read exactly what
+// the root sent, also with more ranks than cores, where some fall behind.
+TEST(ShmComm, BroadcastsBackToBackWithRotatingRoots) {
+  for (int n : {2, 4}) {
+    expectNoErrors(runRanks(n, [n](ShmComm& c) {
+      const std::vector<size_t> counts = {512, 1025, 2048, 5000, 9001};
+      for (int iter = 0; iter < 60; ++iter) {
+        const int root = iter % n;
+        const size_t count = counts[iter % counts.size()];
+        std::vector<int32_t> b(count, -1);
+        if (c.rank() == root) {
+          for (size_t i = 0; i < count; ++i) b[i] = iter * 7919 + static_cast<int>(i);
+        }
+        c.broadcast(b.data(), count * 4,
+                    info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, root));
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(b[i], iter * 7919 + static_cast<int>(i))
+              << "n=" << n << " iter " << iter << " i " << i;
+        }
+        std::vector<int32_t> mine(1500, c.rank() + iter);
+        std::vector<std::vector<int32_t>> all(n, std::vector<int32_t>(1500, -1));
+        std::vector<void*> outs;
+        for (auto& a : all) outs.push_back(a.data());
+        c.allGather(mine.data(), mine.size() * 4, outs.data(),
+                    info(Collective::kAllGather));
+        for (int r = 0; r < n; ++r) {
+          for (int32_t x : all[r]) ASSERT_EQ(x, r + iter) << "iter " << iter;
+        }
+        int32_t small = c.rank() == root ? iter : -1;
+        c.broadcast(&small, 4,
+                    info(Collective::kBroadcast, DType::kInt32, ReduceOp::kSum, root));
+        ASSERT_EQ(small, iter);
+      }
+    }));
+  }
+}
+
 TEST(ShmComm, BroadcastReduceGatherScatter) {
   for (int n : kWorlds) {
     expectNoErrors(runRanks(n, [n](ShmComm& c) {
