@@ -266,11 +266,7 @@ void ShmComm::publishSplits(uint32_t step, const size_t* send, const size_t* rec
 
 void ShmComm::arriveAndWait(uint32_t step) {
   advance(control(rank_).step, step);
-  awaitStep(step);
-}
-
-void ShmComm::awaitStep(uint32_t step, int only) {
-  for (int r = only < 0 ? 0 : only; r < (only < 0 ? size_ : only + 1); ++r) {
+  for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const RankControl& peer = control(r);
     const WaitResult res = waitFor(peer.step, step, deadline_, wait_policy_, [&] {
@@ -278,7 +274,7 @@ void ShmComm::awaitStep(uint32_t step, int only) {
     });
     if (res != WaitResult::kReached) {
       if (aborted()) failAborted();
-      failWaiting(step, res == WaitResult::kCancelled, only);
+      failWaiting(step, res == WaitResult::kCancelled);
     }
   }
 }
@@ -309,12 +305,11 @@ uint64_t hashShapes(const std::vector<std::vector<int64_t>>& shapes) {
   return h;
 }
 
-void ShmComm::failWaiting(uint32_t step, bool dead_peer, int only) {
+void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
   std::ostringstream missing;
   std::ostringstream dead;
   bool first = true;
   for (int r = 0; r < size_; ++r) {
-    if (only >= 0 && r != only) continue;
     const RankControl& c = control(r);
     if (reached(c.step.value.load(), step)) continue;
     missing << (first ? "" : ", ") << r;
@@ -632,22 +627,11 @@ void ShmComm::chunkedSteps(size_t total, size_t per, size_t count, const CallInf
   }
 }
 
-// Through the segment a broadcast is a write (the root's, into its slot) and
-// a read (everyone else's, out of it). In lockstep (chunkedSteps) the readers
-// idle while the root writes a slot and the root while they read it; a
-// broadcast of two or more pieces is therefore pipelined, the root writing
-// piece k while the others read piece k-1, so that it takes about one copy's
-// time instead of two.
 void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
   begin(info);
   if (size_ == 1) return;  // the root's buffer is already everyone's
   char* p = static_cast<char*>(buf);
   const bool stream = streams(bytes);
-  // Small pieces start the readers early; whole slots, for large messages,
-  // keep the synchronisations few. Cache-line multiples.
-  const size_t piece =
-      std::clamp(roundUp(ceilDiv(bytes, 8), kCacheLine), slotBytes() / 2, slotBytes());
-  if (bytes >= 2 * piece) return broadcastPipelined(p, bytes, piece, stream, info);
   chunkedSteps(
       bytes, slotBytes(), bytes, info,
       [&](uint32_t s, size_t off, size_t len) {
@@ -656,38 +640,6 @@ void ShmComm::broadcast(void* buf, size_t bytes, const CallInfo& info) {
       [&](uint32_t s, size_t off, size_t len) {
         if (rank_ != info.root) copyOut(p + off, slot(info.root, s), len, stream);
       });
-}
-
-// Step `first` checks the call; piece k then goes through the root's slot at
-// step first+1+k. A rank's step counter says how far it has come: the root's,
-// which pieces are written; a reader's, which it has copied out. The root
-// writes piece k into the slot that held piece k-2 only once every reader is
-// past it. Pieces 0 and 1 reuse slots of steps every rank finished before it
-// arrived at `first` (which itself writes no slot).
-void ShmComm::broadcastPipelined(char* p, size_t bytes, size_t piece, bool stream,
-                                 const CallInfo& info) {
-  const uint32_t first = nextStep();
-  publishDescriptor(first, info, bytes);
-  arriveAndWait(first);
-  checkDescriptors(first, true);
-  const bool root = rank_ == info.root;
-  const size_t pieces = ceilDiv(bytes, piece);
-  for (size_t k = 0; k < pieces; ++k) {
-    const uint32_t s = nextStep();
-    const size_t off = k * piece;
-    const size_t len = std::min(piece, bytes - off);
-    if (root) {
-      if (k >= 2) awaitStep(s - 2);
-      std::memcpy(slot(rank_, s), p + off, len);
-    } else {
-      awaitStep(s, info.root);
-      copyOut(p + off, slot(info.root, s), len, stream);
-    }
-    advance(control(rank_).step, s);
-  }
-  // The next collective's first write reuses the slot of the last piece but
-  // one, which the readers may still be copying out.
-  if (root) awaitStep(step_ - 1);
 }
 
 // Root reduces every chunk; the others only copy in. Rooted reductions are

@@ -244,17 +244,12 @@ class ShmComm {
   void publishDescriptor(uint32_t step, const CallInfo& info, size_t count);
   void publishSplits(uint32_t step, const size_t* send, const size_t* recv);
   void arriveAndWait(uint32_t step);
-  // Waits until every other rank (or only rank `only`) has reached `step`.
-  void awaitStep(uint32_t step, int only = -1);
   void checkDescriptors(uint32_t step, bool compare_counts) const;
   void checkSplits(uint32_t step) const;
   size_t maxSendOverRanks(uint32_t step) const;
-  // Names the ranks (every one, or only `only`) that have not reached `step`.
-  [[noreturn]] void failWaiting(uint32_t step, bool dead_peer, int only = -1);
+  [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
   [[noreturn]] void failAborted() const;
 
-  void broadcastPipelined(char* p, size_t bytes, size_t piece, bool stream,
-                          const CallInfo& info);
   template <typename Write, typename Read>
   void chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
                     Write&& write, Read&& read);
