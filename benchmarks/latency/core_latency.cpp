@@ -1,10 +1,12 @@
-// All-reduce latency of the torch-free core (dsp::ShmComm), ranks as
-// processes: the same loop as mpi_latency.c runs over MPI_Allreduce, so that
-// the two transports are compared without torch's or Python's per-call cost.
+// Collective latency of the torch-free core (dsp::ShmComm), ranks as
+// processes: the same loop as mpi_latency.c runs over MPI, so that the two
+// transports are compared without torch's or Python's per-call cost.
 //
-//   core_latency RANKS SIZE_BYTES...   (prints one JSON line: size -> us)
+//   core_latency RANKS COLLECTIVE SIZE_BYTES...   (one JSON line: size -> us)
 //
-// float32 sum, in place. Per size: untimed calls (an eighth of a round, at
+// COLLECTIVE: all_reduce (float32 sum, in place), all_gather (SIZE is the
+// output's bytes, as in benchmarks/collectives.py) or broadcast (from rank
+// 0). Per size: untimed calls (an eighth of a round, at
 // least 200), then 5 rounds, each ended by a barrier so that it lasts until
 // the slowest rank is done; rank 0 prints the median round's time per call.
 #include <sys/wait.h>
@@ -14,6 +16,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,18 +32,34 @@ int iterationsFor(size_t bytes) {
       std::clamp<size_t>((size_t{64} << 20) / (8 * bytes + 4096), 200, 20000));
 }
 
-void runRank(const std::string& name, int rank, int n, const std::vector<size_t>& sizes) {
+void runRank(const std::string& name, int rank, int n, const std::string& collective,
+             const std::vector<size_t>& sizes) {
   dsp::ShmComm comm(name, rank, n, dsp::ShmOptions{});
   std::string json = "{";
   for (size_t bytes : sizes) {
-    const size_t count = std::max<size_t>(1, bytes / 4);
+    const size_t count = std::max<size_t>(n, bytes / 4) / n * n;  // whole pieces
     std::vector<float> v(count, 0.0f);  // zeros: the sums stay exact and finite
+    std::vector<void*> pieces;          // all_gather: rank r's piece of v
+    for (int r = 0; r < n; ++r) pieces.push_back(v.data() + count / n * r);
     dsp::CallInfo info;
-    info.kind = dsp::Collective::kAllReduce;
     info.dtype = dsp::DType::kFloat32;
     info.op = dsp::ReduceOp::kSum;
+    info.root = 0;
     info.shape = {static_cast<int64_t>(count)};
-    auto call = [&] { comm.allReduce(v.data(), v.data(), count, info); };
+    std::function<void()> call;
+    if (collective == "all_reduce") {
+      info.kind = dsp::Collective::kAllReduce;
+      call = [&] { comm.allReduce(v.data(), v.data(), count, info); };
+    } else if (collective == "all_gather") {
+      info.kind = dsp::Collective::kAllGather;
+      info.shape = {static_cast<int64_t>(count / n)};
+      call = [&] { comm.allGather(pieces[rank], count / n * 4, pieces.data(), info); };
+    } else if (collective == "broadcast") {
+      info.kind = dsp::Collective::kBroadcast;
+      call = [&] { comm.broadcast(v.data(), count * 4, info); };
+    } else {
+      throw std::invalid_argument("unknown collective " + collective);
+    }
     const int iters = iterationsFor(bytes);
     for (int i = 0; i < std::max(200, iters / 8); ++i) call();
     std::vector<double> rounds;
@@ -64,13 +84,14 @@ void runRank(const std::string& name, int rank, int n, const std::vector<size_t>
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3) {
-    std::fprintf(stderr, "usage: %s RANKS SIZE_BYTES...\n", argv[0]);
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s RANKS COLLECTIVE SIZE_BYTES...\n", argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
+  const std::string collective = argv[2];
   std::vector<size_t> sizes;
-  for (int i = 2; i < argc; ++i) sizes.push_back(std::strtoull(argv[i], nullptr, 10));
+  for (int i = 3; i < argc; ++i) sizes.push_back(std::strtoull(argv[i], nullptr, 10));
   const std::string name = dsp::Segment::randomName();
   std::vector<pid_t> children;
   for (int r = 0; r < n; ++r) {
@@ -78,7 +99,7 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       int code = 0;
       try {
-        runRank(name, r, n, sizes);
+        runRank(name, r, n, collective, sizes);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", r, e.what());
         code = 1;
