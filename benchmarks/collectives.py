@@ -297,9 +297,9 @@ def _mpi_available():
     return True
 
 
-def _run_mpi(n, collective, sizes):
-    """The collective through MPI (mpi4py) on the same sizes (us per call, slowest rank)."""
-    cmd = [
+def mpirun(n: int) -> list[str]:
+    """Open MPI's launcher for n ranks over its shared-memory transport."""
+    return [
         "mpirun",
         "--allow-run-as-root",
         "--oversubscribe",
@@ -308,13 +308,19 @@ def _run_mpi(n, collective, sizes):
         "--mca",
         "btl",
         "self,vader",
-        sys.executable,
-        os.path.join(HERE, "mpi_collectives.py"),
-        collective,
     ]
-    cmd += [str(s) for s in sizes]
+
+
+def run_json(cmd: list[str]) -> dict[int, float]:
+    """Runs cmd, whose last line of output is a JSON object of size -> us."""
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+
+
+def _run_mpi(n, collective, sizes):
+    """The collective through MPI (mpi4py) on the same sizes (us per call, slowest rank)."""
+    script = os.path.join(HERE, "mpi_collectives.py")
+    return run_json(mpirun(n) + [sys.executable, script, collective] + [str(s) for s in sizes])
 
 
 HEADER = (

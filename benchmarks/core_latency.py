@@ -1,7 +1,7 @@
 """Collectives below torch: our C++ core against Open MPI, both in C.
 
     python benchmarks/core_latency.py [--worlds 2 4] [--collectives all_reduce all_gather broadcast]
-                                      [--max-bytes 262144] [--runs 2]
+                                      [--max-bytes 256K] [--runs 2]
 
 `benchmarks/collectives.py` times "dsp" through torch (``dist.all_reduce`` and
 our direct op) and MPI through mpi4py: at small sizes both carry their
@@ -23,7 +23,6 @@ Needs cmake, a C++ compiler, and Open MPI with its compiler wrapper
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,9 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from collectives import fmt_bytes, mpirun, parse_bytes, run_json  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
 BUILD = os.path.join(ROOT, "build", "latency")
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -67,18 +69,6 @@ def build() -> tuple[str, str]:
     return os.path.join(BUILD, "dsp_core_latency"), mpi
 
 
-def run(cmd: list[str]) -> dict[int, float]:
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
-
-
-def label(n: int) -> str:
-    for unit, shift in (("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -88,7 +78,7 @@ def main() -> None:
         default=["all_reduce"],
         choices=["all_reduce", "all_gather", "broadcast"],
     )
-    ap.add_argument("--max-bytes", type=int, default=256 << 10)
+    ap.add_argument("--max-bytes", type=parse_bytes, default=256 << 10)
     ap.add_argument("--runs", type=int, default=2)
     args = ap.parse_args()
     core, mpi = build()
@@ -100,18 +90,17 @@ def main() -> None:
     )
     for collective in args.collectives:
         for n in args.worlds:
-            mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n)]
-            mpirun += ["--mca", "btl", "self,vader", mpi, collective]
+            sizes_args = [str(s) for s in sizes]
             times = {"dsp": [], "mpi": []}
             for _ in range(args.runs):
-                times["dsp"].append(run([core, str(n), collective, *map(str, sizes)]))
-                times["mpi"].append(run(mpirun + [str(s) for s in sizes]))
+                times["dsp"].append(run_json([core, str(n), collective, *sizes_args]))
+                times["mpi"].append(run_json(mpirun(n) + [mpi, collective, *sizes_args]))
             for s in sizes:
                 d = [t[s] for t in times["dsp"]]
                 m = [t[s] for t in times["mpi"]]
                 dm, mm = statistics.median(d), statistics.median(m)
                 print(
-                    f"{collective:>10} {n:>5} {label(s):>6} |"
+                    f"{collective:>10} {n:>5} {fmt_bytes(s):>6} |"
                     f" {dm:8.2f} ({min(d):6.2f}-{max(d):6.2f}) |"
                     f" {mm:8.2f} ({min(m):6.2f}-{max(m):6.2f}) | {mm / dm:6.2f}"
                 )

@@ -6,9 +6,9 @@
 //
 // COLLECTIVE: all_reduce (float32 sum, in place), all_gather (SIZE is the
 // output's bytes, as in benchmarks/collectives.py) or broadcast (from rank
-// 0). Per size: untimed calls (an eighth of a round, at
-// least 200), then 5 rounds, each ended by a barrier so that it lasts until
-// the slowest rank is done; rank 0 prints the median round's time per call.
+// 0). Per size: untimed calls (an eighth of a round, at least 200), then 5
+// rounds, each ended by a barrier so that it lasts until the slowest rank is
+// done; rank 0 prints the median round's time per call.
 #include <sys/wait.h>
 #include <unistd.h>
 
