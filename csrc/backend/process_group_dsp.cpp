@@ -238,17 +238,15 @@ ProcessGroupDSP::BatchScope::BatchScope(std::vector<std::function<void()>>* runs
 
 ProcessGroupDSP::BatchScope::~BatchScope() { t_batch = previous_; }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
-                                                        const char* title,
-                                                        std::vector<at::Tensor> outputs,
-                                                        std::function<void()> run,
-                                                        bool blocking) {
+bool ProcessGroupDSP::batching() { return t_batch != nullptr; }
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::queue(c10d::OpType type,
+                                                      const char* title,
+                                                      std::vector<at::Tensor> outputs,
+                                                      std::function<void()> run) {
   if (t_batch != nullptr) {
     t_batch->push_back(std::move(run));
     return {};  // the caller (coalesced) ignores it
-  }
-  if (blocking && inline_blocking_) {
-    if (auto done = runInline(type, title, outputs, run)) return done;
   }
   auto work =
       c10::make_intrusive<WorkDSP>(this, type, title, std::move(outputs), std::move(run));
@@ -264,26 +262,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::enqueue(c10d::OpType type,
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::runInline(
-    c10d::OpType type, const char* title, std::vector<at::Tensor>& outputs,
-    std::function<void()>& run) {
+bool ProcessGroupDSP::beginInline() {
   std::vector<c10::intrusive_ptr<WorkDSP>> finished;  // dropped here, unlocked
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stop_, "dsp: process group is shutting down");
-    TORCH_CHECK(!comm_->aborted(), comm_->abortReason());
-    // Queued work runs first (collectives run in issue order).
-    if (running_ || !queue_.empty()) return {};
-    running_ = true;
-    finished.swap(finished_);
-  }
-  std::exception_ptr error;
-  try {
-    run();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  run = nullptr;  // drop the captured tensors before returning
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!stop_, "dsp: process group is shutting down");
+  TORCH_CHECK(!comm_->aborted(), comm_->abortReason());
+  // Queued work runs first (collectives run in issue order).
+  if (running_ || !queue_.empty()) return false;
+  running_ = true;
+  finished.swap(finished_);
+  return true;
+}
+
+void ProcessGroupDSP::endInline() {
   bool queued = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -291,8 +282,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::runInline(
     queued = !queue_.empty();  // another thread's, issued meanwhile
   }
   if (queued) cv_.notify_all();
-  if (error) std::rethrow_exception(error);
-  return c10::make_intrusive<DoneWorkDSP>(getRank(), type, title, std::move(outputs));
 }
 
 bool ProcessGroupDSP::runOne(std::unique_lock<std::mutex>& lock) {

@@ -217,19 +217,40 @@ class ProcessGroupDSP : public c10d::Backend {
   // asyncOp false, as dist.* passes without async_op=True, and no timeout
   // of its own) finding nothing queued or running runs at once on the
   // caller's thread instead, and returns a finished Work: no hand-off, no
-  // wake-up of the worker, no future to fill.
+  // wake-up of the worker, no future to fill, and no std::function made (a
+  // template, so that an 8-byte call allocates nothing but its Work).
+  template <typename Run>
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
-                                         std::vector<at::Tensor> outputs,
-                                         std::function<void()> run,
-                                         bool blocking = false);
+                                         std::vector<at::Tensor> outputs, Run&& run,
+                                         bool blocking = false) {
+    if (blocking && inline_blocking_ && !batching() && beginInline()) {
+      try {
+        run();
+      } catch (...) {
+        endInline();
+        throw;
+      }
+      endInline();
+      return c10::make_intrusive<DoneWorkDSP>(getRank(), type, title, std::move(outputs));
+    }
+    return queue(type, title, std::move(outputs),
+                 std::function<void()>(std::forward<Run>(run)));
+  }
   template <typename Options>
   static bool blocking(const Options& opts) {
     return !opts.asyncOp && opts.timeout == c10d::kUnsetTimeout;
   }
-  // enqueue()'s inline path; null when something is queued or running.
-  c10::intrusive_ptr<c10d::Work> runInline(c10d::OpType type, const char* title,
-                                           std::vector<at::Tensor>& outputs,
-                                           std::function<void()>& run);
+  // enqueue()'s slow path: the worker's queue (or a BatchScope's list).
+  c10::intrusive_ptr<c10d::Work> queue(c10d::OpType type, const char* title,
+                                       std::vector<at::Tensor> outputs,
+                                       std::function<void()> run);
+  // enqueue()'s inline path: beginInline claims the group for this thread
+  // when nothing is queued or running (false: queue instead); endInline
+  // releases it, waking the worker for work queued meanwhile.
+  bool beginInline();
+  void endInline();
+  // Whether a BatchScope is collecting this thread's calls.
+  static bool batching();
   // While one lives on a thread, enqueue() on that thread collects the run
   // closures into `runs` (returning a placeholder) instead of queueing them.
   class BatchScope {
