@@ -15,12 +15,14 @@ Warm-up iterations come first; then three timed rounds, each reporting the
 slowest rank's mean time per call; the median round is printed.
 
 For all_reduce two more engines are timed in the same processes: our direct
-op ``torch.ops.dsparallel.all_reduce_`` ("op": no torch.distributed wrapper
-or dispatcher op on the way), and, when DeepSpeed is installed (one host),
-its CPU shared-memory all-reduce ``torch.ops.deepspeed.inference_all_reduce_``
-(built on first use; DS_ACCELERATOR=cpu), with the ratios of our times to
-its. ``--dtype bfloat16`` times every engine in bf16 (MPI is float32 only:
-mpi4py has no bf16 reduction). ``--worlds 1`` gives the floor: a collective
+all-reduce ``dsparallel.ops.all_reduce_`` ("op": no torch.distributed wrapper
+and no dispatcher on the way; it calls the kernel of the torch op
+``torch.ops.dsparallel.all_reduce_`` through our extension module), and,
+when DeepSpeed is installed (one host), its CPU shared-memory all-reduce
+``torch.ops.deepspeed.inference_all_reduce_`` (built on first use;
+DS_ACCELERATOR=cpu), with the ratios of our times to its. ``--dtype
+bfloat16`` times every engine in bf16 (MPI is float32 only: mpi4py has no
+bf16 reduction). ``--worlds 1`` gives the floor: a collective
 of one rank through the same torch path.
 
 ``--nodes K`` makes the ranks K simulated hosts (DSP_NODE_ID, contiguous blocks
@@ -90,7 +92,7 @@ def fmt_bytes(b: int) -> str:
 def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
     """Returns (run, check): run() does one collective; check() counts wrong
     elements. ``engine`` (all_reduce only): "dist" (``dist.all_reduce``), "op"
-    (our ``torch.ops.dsparallel.all_reduce_``) or "deepspeed" (DeepSpeed's
+    (our ``dsparallel.ops.all_reduce_``) or "deepspeed" (DeepSpeed's
     ``torch.ops.deepspeed.inference_all_reduce_``, the world group)."""
     import torch
     import torch.distributed as dist
@@ -102,10 +104,10 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
     if name == "all_reduce":
         buf = empty(elems)
         if engine == "op":
-            group_name = (group or dist.group.WORLD).group_name
+            from dsparallel.ops import all_reduce_
 
             def run():
-                torch.ops.dsparallel.all_reduce_(buf, group_name, "sum")
+                all_reduce_(buf, group=group)
 
         elif engine == "deepspeed":
 

@@ -8,6 +8,7 @@
 #include "backend/process_group_dsp.h"
 #include "core/pipeline/schedule.h"
 #include "ddp/reducer.h"
+#include "ops/group_collectives.h"
 #include "pipeline/runtime.h"
 #include "pipeline/split_backward.h"
 
@@ -231,6 +232,18 @@ PYBIND11_MODULE(_C, m) {
             stage, ranks, placement == "v" ? pp::Placement::kV : pp::Placement::kLoop);
       },
       py::arg("stage"), py::arg("num_ranks"), py::arg("placement") = "loop");
+  // torch.ops.dsparallel.all_reduce_ without the dispatcher's boxed call from
+  // Python: dsparallel.ops.all_reduce_ calls this for tensors outside autograd
+  // (about half of the op's per-call cost at small sizes; callgrind counts in
+  // benchmarks/results). Bumps the version counter, as an in-place op does.
+  m.def(
+      "all_reduce_",
+      [](at::Tensor t, const std::string& group_name, const std::string& op) {
+        dsparallel::allReduceNamed(t, group_name, op);
+        t.unsafeGetTensorImpl()->bump_version();
+      },
+      py::arg("tensor"), py::arg("group_name"), py::arg("op") = "sum",
+      py::call_guard<py::gil_scoped_release>());
   // The weight-gradient store of the split backward (tests and opt-in use).
   m.def("weight_grad_begin",
         [] { dsparallel::pipeline::WeightGradStore::get().begin(); });

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import _C  # noqa: F401  (registers the ops)
+from . import _C  # registers the ops; all_reduce_'s direct path
 
 
 def group_size(group_name: str) -> int:
@@ -21,14 +21,23 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup 
     """All-reduces ``tensor`` in place and returns it, blocking: what
     ``dist.all_reduce(tensor, op, group)`` does, without torch.distributed's
     Python wrapper and dispatcher op on the way (on "dsp" the collective runs on
-    the calling thread; about 2 us less per call at small sizes). ``op`` is
-    ``"sum"``, ``"avg"``, ``"product"``, ``"min"`` or ``"max"``. In a hot loop,
-    call ``torch.ops.dsparallel.all_reduce_(tensor, group.group_name, op)``
-    itself."""
+    the calling thread). ``op`` is ``"sum"``, ``"avg"``, ``"product"``,
+    ``"min"`` or ``"max"``.
+
+    Eagerly, on a tensor outside autograd, it calls the kernel of
+    ``torch.ops.dsparallel.all_reduce_`` straight through our extension module,
+    without the dispatcher's boxed call from Python: the cheapest all-reduce of
+    a small tensor from Python (``benchmarks/collectives.py``, its "op"
+    column). A tensor that requires grad, and code being compiled, go through
+    ``torch.ops.dsparallel.all_reduce_(tensor, group.group_name, op)``, so that
+    autograd's in-place checks and tracing apply."""
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("all_reduce_ needs an initialised process group")
-    return torch.ops.dsparallel.all_reduce_(tensor, group.group_name, op)
+    if tensor.requires_grad or torch.compiler.is_compiling():
+        return torch.ops.dsparallel.all_reduce_(tensor, group.group_name, op)
+    _C.all_reduce_(tensor, group.group_name, op)
+    return tensor
 
 
 @torch.library.register_fake("dsparallel::fused_all_reduce")

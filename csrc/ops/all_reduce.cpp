@@ -6,11 +6,15 @@
 // Python wrapper and the c10d dispatcher op, about 2 us of the ~5 us an
 // 8-byte dist.all_reduce takes at 2 ranks (benchmarks/collectives.py
 // measures both). Any backend works; only "dsp" runs it inline.
+// dsparallel.ops.all_reduce_ calls the same kernel through our pybind module
+// (allReduceNamed), skipping the dispatcher's boxed call from Python too.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "group_collectives.h"
 
 namespace dsparallel {
 namespace {
@@ -25,8 +29,10 @@ c10d::ReduceOp parseOp(c10::string_view op) {
               "\"max\", got \"", op, "\"");
 }
 
-at::Tensor& allReduceInPlace(at::Tensor& t, c10::string_view group_name,
-                             c10::string_view op) {
+}  // namespace
+
+at::Tensor& allReduceNamed(at::Tensor& t, c10::string_view group_name,
+                           c10::string_view op) {
   const c10d::ReduceOp reduce = parseOp(op);
   auto pg = c10d::resolve_process_group(std::string(group_name));
   TORCH_CHECK(pg->getRank() >= 0, "all_reduce_: this process is not a member of group \"",
@@ -39,6 +45,8 @@ at::Tensor& allReduceInPlace(at::Tensor& t, c10::string_view group_name,
   return t;
 }
 
+namespace {
+
 at::Tensor& allReduceMeta(at::Tensor& t, c10::string_view, c10::string_view) { return t; }
 
 }  // namespace
@@ -48,7 +56,7 @@ TORCH_LIBRARY_FRAGMENT(dsparallel, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsparallel, CompositeExplicitAutograd, m) {
-  m.impl("all_reduce_", &allReduceInPlace);
+  m.impl("all_reduce_", &allReduceNamed);
 }
 
 TORCH_LIBRARY_IMPL(dsparallel, Meta, m) { m.impl("all_reduce_", &allReduceMeta); }

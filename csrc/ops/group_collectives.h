@@ -24,6 +24,11 @@ GroupRef resolveGroup(c10::string_view name, const char* op);
 at::Tensor allReduce(const GroupRef& g, const at::Tensor& x,
                      c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM);
 
+// torch.ops.dsparallel.all_reduce_'s kernel: `t` all-reduced in place with
+// `op` ("sum", "avg", "product", "min", "max"), blocking.
+at::Tensor& allReduceNamed(at::Tensor& t, c10::string_view group_name,
+                           c10::string_view op);
+
 // Concatenates every rank's `x` along `dim` (0 or the last dim).
 at::Tensor allGatherAlong(const GroupRef& g, const at::Tensor& x, int64_t dim);
 

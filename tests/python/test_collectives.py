@@ -361,6 +361,13 @@ def _direct_op_body(rank, n):
             assert t.item() == n - 1
     with pytest.raises(RuntimeError, match='op must be "sum"'):
         ops.all_reduce_(torch.ones(1), op="mean")
+    # The direct path (a tensor outside autograd) bumps the version counter as
+    # an in-place op does: autograd sees that a tensor it saved was changed.
+    w, x = torch.ones(3, requires_grad=True), torch.ones(3)
+    y = (w * x).sum()  # saves x for w's gradient
+    ops.all_reduce_(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
