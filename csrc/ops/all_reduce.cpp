@@ -11,9 +11,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include "group_collectives.h"
 
 namespace dsparallel {
@@ -34,14 +31,12 @@ c10d::ReduceOp parseOp(c10::string_view op) {
 at::Tensor& allReduceNamed(at::Tensor& t, c10::string_view group_name,
                            c10::string_view op) {
   const c10d::ReduceOp reduce = parseOp(op);
-  auto pg = c10d::resolve_process_group(std::string(group_name));
-  TORCH_CHECK(pg->getRank() >= 0, "all_reduce_: this process is not a member of group \"",
-              group_name, "\"");
+  const GroupRef g = resolveGroup(group_name, "all_reduce_");
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce;
   opts.asyncOp = false;  // blocking: "dsp" runs it on this thread
   std::vector<at::Tensor> tensors = {t};
-  pg->getBackend(t.device().type())->allreduce(tensors, opts)->wait();
+  g.pg->getBackend(t.device().type())->allreduce(tensors, opts)->wait();
   return t;
 }
 
