@@ -2,8 +2,8 @@
 
 #include <cstdint>
 #include <cstring>
-#include <fstream>
-#include <string>
+
+#include "cpu_cache.h"
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -45,50 +45,9 @@ void streamCopy(void* dst, const void* src, size_t n) {
 #endif
 }
 
-namespace {
-
-// "32768K", "32M" or a plain number of bytes; 0 when unreadable.
-size_t readCacheSize(const std::string& dir) {
-  std::ifstream f(dir + "/size");
-  std::string text;
-  if (!(f >> text) || text.empty()) return 0;
-  size_t value = 0;
-  size_t i = 0;
-  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
-    value = value * 10 + static_cast<size_t>(text[i] - '0');
-  }
-  if (i < text.size() && (text[i] == 'K' || text[i] == 'k')) value <<= 10;
-  if (i < text.size() && (text[i] == 'M' || text[i] == 'm')) value <<= 20;
-  return value;
-}
-
-// sysconf(_SC_LEVEL3_CACHE_SIZE) can report a whole socket's L3 inside a
-// virtual machine (320 MiB on the reference machine, whose cores share
-// 32 MiB); sysfs reports the cache this core shares.
-size_t readLastLevelCacheBytes() {
-  size_t llc = 0;
-  int best_level = 0;
-  for (int i = 0; i < 8; ++i) {
-    const std::string dir =
-        "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i);
-    std::ifstream level_file(dir + "/level");
-    int level = 0;
-    if (!(level_file >> level)) break;
-    std::ifstream type_file(dir + "/type");
-    std::string type;
-    type_file >> type;
-    if (type == "Instruction" || level < best_level) continue;
-    const size_t bytes = readCacheSize(dir);
-    if (bytes) llc = bytes, best_level = level;
-  }
-  return llc ? llc : size_t{32} << 20;
-}
-
-}  // namespace
-
 size_t defaultStreamMinBytes() {
   // Read once: every process group of the job asks when it is made.
-  static const size_t bytes = readLastLevelCacheBytes() / 2;
+  static const size_t bytes = lastLevelCacheBytes() / 2;
   return bytes;
 }
 

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "../cpu_cache.h"
 #include "../stream_copy.h"
 #include "wait.h"
 
@@ -56,6 +57,13 @@ std::pair<size_t, size_t> sliceOf(int j, size_t len, int n) {
 size_t ceilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+size_t defaultChunkBytes() {
+  // Read once: every process group of the job asks when it is made.
+  static const size_t bytes =
+      cacheBytes(2) >= (size_t{2} << 20) ? size_t{256} << 10 : size_t{512} << 10;
+  return bytes;
+}
 
 const char* collectiveName(Collective c) {
   switch (c) {
@@ -147,6 +155,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
                                 std::to_string(rank) + " is invalid (at most " +
                                 std::to_string(kMaxRanks) + " ranks per host)");
   }
+  if (options_.chunk_bytes == 0) options_.chunk_bytes = defaultChunkBytes();
   options_.chunk_bytes = roundUp(std::max<size_t>(options_.chunk_bytes, kPage), kPage);
   // A group of one only copies through its slots: small ones keep its
   // reserved segment small (init_parallel makes one per rank for each

@@ -85,13 +85,25 @@ class PeerError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The chunk for this machine: 256 KiB where each core has at least 2 MiB of
+// L2, 512 KiB elsewhere. A step of the 2-rank all-reduce touches about 4.5
+// chunks per rank (its input piece, both halves of its slot, the peer's
+// slices, its output piece): 2.3 MiB at 512 KiB, more than such an L2 holds.
+// Measured with benchmarks/collectives.py, 2 ranks: on a 2-core Intel Xeon
+// VM (2 MiB L2), 256 KiB took 1-4 MB all-reduces to 0.63-0.92x the time
+// 512 KiB took (1 and 2 MiB: slower still), and 4 ranks sharing its 2 cores
+// saw no difference beyond their noise; on the AMD EPYC reference (32 MiB L3,
+// whose Zen 3/4 cores have 0.5-1 MiB of L2) 512 KiB was no slower than
+// 1 MiB, and it lets a 4-rank tp x pp job fit in a container's 64 MB
+// /dev/shm.
+size_t defaultChunkBytes();
+
 struct ShmOptions {
   // Bytes per half-slot; a slot (one parity) is twice this. The all-reduce
   // moves `chunk_bytes` per step; byte-moving collectives a whole slot. The
-  // slots (4 x this per rank) are reserved in /dev/shm with the segment:
-  // 512 KiB measured no slower than 1 MiB on the reference machine and lets
-  // a 4-rank tp x pp job fit in a container's 64 MB /dev/shm.
-  size_t chunk_bytes = size_t{512} << 10;
+  // slots (4 x this per rank) are reserved in /dev/shm with the segment.
+  // 0: defaultChunkBytes().
+  size_t chunk_bytes = 0;
   // All-reduces up to this size use the one-shot algorithm (every rank
   // reduces everything: one synchronisation); larger ones reduce-scatter
   // then all-gather (each rank reduces 1/n).
