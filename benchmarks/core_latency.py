@@ -1,7 +1,8 @@
 """Collectives below torch: our C++ core against Open MPI, both in C.
 
     python benchmarks/core_latency.py [--worlds 2 4] [--collectives all_reduce all_gather broadcast]
-                                      [--max-bytes 256K] [--runs 2]
+                                      [--max-bytes 256K] [--runs 2] [--data static fresh]
+                                      [--baseline OTHER_BUILD/dsp_core_latency]
 
 `benchmarks/collectives.py` times "dsp" through torch (``dist.all_reduce`` and
 our direct op) and MPI through mpi4py: at small sizes both carry their
@@ -15,6 +16,18 @@ broadcast from rank 0; untimed calls, then 5 rounds each ended by a
 barrier, the median round's time per call. The two alternate,
 ``--runs`` times; the table gives the median over runs and their range, and
 MPI's time over ours (above 1: the core is faster).
+
+``--data static`` (the default) calls on the same data again and again.
+``--data fresh`` has each rank rewrite what it contributes before every call
+(the root's buffer for broadcast), as a training step's new values are: a
+single-copy transport reading a peer's unchanged buffer finds it in its own
+cache from the call before, which real use never lets it do. The rewrite's
+own time counts on both sides alike.
+
+``--baseline B`` also times B, a ``dsp_core_latency`` built from another
+commit (``cmake --build <its build dir> --target dsp_core_latency``), in turn
+with this build's and MPI's, run by run: a before/after of the core from one
+run, which this kind of machine's swings between runs make necessary.
 
 Needs cmake, a C++ compiler, and Open MPI with its compiler wrapper
 (``apt-get install openmpi-bin libopenmpi-dev``).
@@ -80,30 +93,47 @@ def main() -> None:
     )
     ap.add_argument("--max-bytes", type=parse_bytes, default=256 << 10)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--data", nargs="+", default=["static"], choices=["static", "fresh"])
+    ap.add_argument(
+        "--baseline",
+        help="a dsp_core_latency binary built from another commit: timed in turn with this"
+        " build's, for a before/after in one run",
+    )
     args = ap.parse_args()
     core, mpi = build()
     sizes = [s for s in SIZES if s <= args.max_bytes]
     print(f"float32; {os.cpu_count()} CPUs; us per call (median over {args.runs} runs, range)")
+    engines = {"dsp": lambda n, c, d: [core, str(n), c, d]}
+    if args.baseline:
+        engines["base"] = lambda n, c, d: [args.baseline, str(n), c, d]
+    engines["mpi"] = lambda n, c, d: mpirun(n) + [mpi, c, d]
+    heads = {"dsp": "dsp core us", "base": "baseline us", "mpi": "Open MPI us"}
     print(
-        f"{'collective':>10} {'ranks':>5} {'size':>6} |"
-        f" {'dsp core us':>22} | {'Open MPI us':>22} | MPI / dsp"
+        f"{'collective':>10} {'data':>6} {'ranks':>5} {'size':>6} |"
+        + "".join(f" {heads[e]:>22} |" for e in engines)
+        + " MPI / dsp"
+        + (" | base / dsp" if args.baseline else "")
     )
     for collective in args.collectives:
         for n in args.worlds:
             sizes_args = [str(s) for s in sizes]
-            times = {"dsp": [], "mpi": []}
+            times = {(d, e): [] for d in args.data for e in engines}
             for _ in range(args.runs):
-                times["dsp"].append(run_json([core, str(n), collective, *sizes_args]))
-                times["mpi"].append(run_json(mpirun(n) + [mpi, collective, *sizes_args]))
-            for s in sizes:
-                d = [t[s] for t in times["dsp"]]
-                m = [t[s] for t in times["mpi"]]
-                dm, mm = statistics.median(d), statistics.median(m)
-                print(
-                    f"{collective:>10} {n:>5} {fmt_bytes(s):>6} |"
-                    f" {dm:8.2f} ({min(d):6.2f}-{max(d):6.2f}) |"
-                    f" {mm:8.2f} ({min(m):6.2f}-{max(m):6.2f}) | {mm / dm:6.2f}"
-                )
+                for data in args.data:
+                    for e, cmd in engines.items():
+                        times[data, e].append(run_json(cmd(n, collective, data) + sizes_args))
+            for data in args.data:
+                for s in sizes:
+                    med, cells = {}, ""
+                    for e in engines:
+                        t = [r[s] for r in times[data, e]]
+                        med[e] = statistics.median(t)
+                        cells += f" {med[e]:8.2f} ({min(t):6.2f}-{max(t):6.2f}) |"
+                    print(
+                        f"{collective:>10} {data:>6} {n:>5} {fmt_bytes(s):>6} |{cells}"
+                        f" {med['mpi'] / med['dsp']:9.2f}"
+                        + (f" | {med['base'] / med['dsp']:10.2f}" if args.baseline else "")
+                    )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 // processes: the same loop as mpi_latency.c runs over MPI, so that the two
 // transports are compared without torch's or Python's per-call cost.
 //
-//   core_latency RANKS COLLECTIVE SIZE_BYTES...   (one JSON line: size -> us)
+//   core_latency RANKS COLLECTIVE DATA SIZE_BYTES...   (one JSON line: size -> us)
 //
 // COLLECTIVE: all_reduce (float32 sum, in place), all_gather (SIZE is the
 // output's bytes, as in benchmarks/collectives.py) or broadcast (from rank
-// 0). Per size: untimed calls (an eighth of a round, at least 200), then 5
-// rounds, each ended by a barrier so that it lasts until the slowest rank is
-// done; rank 0 prints the median round's time per call.
+// 0). DATA: "static" calls on the same data again and again; "fresh" first
+// rewrites what this rank contributes (all of it for all_reduce, its piece
+// for all_gather, the root's buffer for broadcast), as training does with
+// each step's new values: a peer then cannot find it still in its own cache
+// from the call before, and the rewrite's own time counts. Per size: untimed calls (an
+// eighth of a round, at least 200), then 5 rounds, each ended by a barrier so that it
+// lasts until the slowest rank is done; rank 0 prints the median round's time per call.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,7 +37,7 @@ int iterationsFor(size_t bytes) {
 }
 
 void runRank(const std::string& name, int rank, int n, const std::string& collective,
-             const std::vector<size_t>& sizes) {
+             bool fresh, const std::vector<size_t>& sizes) {
   dsp::ShmComm comm(name, rank, n, dsp::ShmOptions{});
   std::string json = "{";
   for (size_t bytes : sizes) {
@@ -47,16 +51,29 @@ void runRank(const std::string& name, int rank, int n, const std::string& collec
     info.root = 0;
     info.shape = {static_cast<int64_t>(count)};
     std::function<void()> call;
+    // What "fresh" rewrites before each call (zeros again: still exact).
+    auto rewrite = [&](float* p, size_t k) {
+      if (fresh) std::fill(p, p + k, 0.0f);
+    };
     if (collective == "all_reduce") {
       info.kind = dsp::Collective::kAllReduce;
-      call = [&] { comm.allReduce(v.data(), v.data(), count, info); };
+      call = [&] {
+        rewrite(v.data(), count);
+        comm.allReduce(v.data(), v.data(), count, info);
+      };
     } else if (collective == "all_gather") {
       info.kind = dsp::Collective::kAllGather;
       info.shape = {static_cast<int64_t>(count / n)};
-      call = [&] { comm.allGather(pieces[rank], count / n * 4, pieces.data(), info); };
+      call = [&] {
+        rewrite(static_cast<float*>(pieces[rank]), count / n);
+        comm.allGather(pieces[rank], count / n * 4, pieces.data(), info);
+      };
     } else if (collective == "broadcast") {
       info.kind = dsp::Collective::kBroadcast;
-      call = [&] { comm.broadcast(v.data(), count * 4, info); };
+      call = [&] {
+        if (rank == 0) rewrite(v.data(), count);
+        comm.broadcast(v.data(), count * 4, info);
+      };
     } else {
       throw std::invalid_argument("unknown collective " + collective);
     }
@@ -84,14 +101,16 @@ void runRank(const std::string& name, int rank, int n, const std::string& collec
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) {
-    std::fprintf(stderr, "usage: %s RANKS COLLECTIVE SIZE_BYTES...\n", argv[0]);
+  const std::string data = argc > 3 ? argv[3] : "";
+  if (argc < 5 || (data != "static" && data != "fresh")) {
+    std::fprintf(stderr, "usage: %s RANKS COLLECTIVE static|fresh SIZE_BYTES...\n",
+                 argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
   const std::string collective = argv[2];
   std::vector<size_t> sizes;
-  for (int i = 3; i < argc; ++i) sizes.push_back(std::strtoull(argv[i], nullptr, 10));
+  for (int i = 4; i < argc; ++i) sizes.push_back(std::strtoull(argv[i], nullptr, 10));
   const std::string name = dsp::Segment::randomName();
   std::vector<pid_t> children;
   for (int r = 0; r < n; ++r) {
@@ -99,7 +118,7 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       int code = 0;
       try {
-        runRank(name, r, n, collective, sizes);
+        runRank(name, r, n, collective, data == "fresh", sizes);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", r, e.what());
         code = 1;

@@ -1,8 +1,9 @@
 /* The loop of core_latency.cpp over MPI (float32; all_reduce: sum, in place;
- * all_gather: in place, SIZE the output's bytes; broadcast: from rank 0):
- * Open MPI's shared-memory transport without mpi4py's per-call cost.
+ * all_gather: in place, SIZE the output's bytes; broadcast: from rank 0;
+ * DATA static or fresh, as there): Open MPI's shared-memory transport
+ * without mpi4py's per-call cost.
  *
- *   mpirun -n RANKS mpi_latency COLLECTIVE SIZE_BYTES...   (size -> us)
+ *   mpirun -n RANKS mpi_latency COLLECTIVE DATA SIZE_BYTES...   (size -> us)
  */
 #include <mpi.h>
 #include <stdio.h>
@@ -20,8 +21,17 @@ static int cmp(const void* a, const void* b) {
 }
 
 static const char* g_collective;
+static int g_fresh, g_rank;
 
+/* "fresh": rewrite what this rank contributes, as core_latency.cpp does. */
 static void call(float* v, size_t count, int n) {
+  if (g_fresh) {
+    if (strcmp(g_collective, "all_gather") == 0) {
+      memset(v + count / n * g_rank, 0, count / n * sizeof(float));
+    } else if (strcmp(g_collective, "all_reduce") == 0 || g_rank == 0) {
+      memset(v, 0, count * sizeof(float));
+    }
+  }
   if (strcmp(g_collective, "all_reduce") == 0) {
     MPI_Allreduce(MPI_IN_PLACE, v, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
   } else if (strcmp(g_collective, "all_gather") == 0) {
@@ -37,15 +47,21 @@ int main(int argc, char** argv) {
   int rank, n;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  if (argc < 3 || (strcmp(argv[1], "all_reduce") && strcmp(argv[1], "all_gather") &&
-                   strcmp(argv[1], "broadcast"))) {
+  if (argc < 4 ||
+      (strcmp(argv[1], "all_reduce") && strcmp(argv[1], "all_gather") &&
+       strcmp(argv[1], "broadcast")) ||
+      (strcmp(argv[2], "static") && strcmp(argv[2], "fresh"))) {
     if (rank == 0)
-      fprintf(stderr, "usage: mpi_latency all_reduce|all_gather|broadcast SIZE...\n");
+      fprintf(
+          stderr,
+          "usage: mpi_latency all_reduce|all_gather|broadcast static|fresh SIZE...\n");
     MPI_Abort(MPI_COMM_WORLD, 2);
   }
   g_collective = argv[1];
+  g_fresh = strcmp(argv[2], "fresh") == 0;
+  g_rank = rank;
   if (rank == 0) printf("{");
-  for (int a = 2; a < argc; ++a) {
+  for (int a = 3; a < argc; ++a) {
     const size_t bytes = strtoull(argv[a], NULL, 10);
     /* whole pieces, as core_latency.cpp */
     const size_t count = ((bytes / 4 > (size_t)n ? bytes / 4 : (size_t)n) / n) * n;
@@ -61,7 +77,7 @@ int main(int argc, char** argv) {
       rounds[r] = (MPI_Wtime() - t0) / iters * 1e6;
     }
     qsort(rounds, 5, sizeof(double), cmp);
-    if (rank == 0) printf("%s\"%zu\": %f", a > 2 ? ", " : "", bytes, rounds[2]);
+    if (rank == 0) printf("%s\"%zu\": %f", a > 3 ? ", " : "", bytes, rounds[2]);
     free(v);
   }
   if (rank == 0) printf("}\n");
