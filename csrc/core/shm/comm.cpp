@@ -479,6 +479,10 @@ struct ContiguousIo {
   void forOut(size_t off, size_t n, Fn&& fn) const {
     if (n) fn(out + off * es, size_t{0}, n);
   }
+  template <typename Fn>
+  void forIn(size_t off, size_t n, Fn&& fn) const {
+    if (n) fn(in + off * es, size_t{0}, n);
+  }
   // The whole result when this rank is the only one: its input.
   void alone(size_t count) const { copyOwn(out, in, count * es, stream); }
 };
@@ -500,6 +504,10 @@ struct ListIo {
   }
   template <typename Fn>
   void forOut(size_t off, size_t n, Fn&& fn) const {
+    list.forRange(off, n, fn);
+  }
+  template <typename Fn>
+  void forIn(size_t off, size_t n, Fn&& fn) const {
     list.forRange(off, n, fn);
   }
   void alone(size_t) const {}  // in place: already the result
@@ -560,16 +568,19 @@ void ShmComm::allReduceOneShot(const Io& io, size_t count, const CallInfo& info)
 
 // Large messages: pipelined reduce-scatter + all-gather over segments of
 // chunk_bytes. In step k a rank
-//   1. copies segment k of its input into the `in` half of its slot k%2,
+//   1. copies segment k of its input, but for its own 1/n slice, into the
+//      `in` half of its slot k%2 (only the peers read that half, and each
+//      only its own slice),
 //   2. waits for everyone,
-//   3. reduces its 1/n slice of segment k from every rank's `in` half into
-//      the `out` half of its own slot k%2,
+//   3. reduces its 1/n slice of segment k from every peer's `in` half and
+//      its own input (still unchanged: step k writes no output of segment
+//      k) into the `out` half of its own slot k%2,
 //   4. copies segment k-1's reduced slices from every rank's `out` half of
 //      slot (k-1)%2 into its output (written in step k-1, before the peers
 //      arrived at k).
 // One extra step drains the last segment (and one step number is skipped
-// after it, see the end). Each rank touches about 3.5x the
-// message (copy in, 1/n reduce, copy out) instead of n+2 times.
+// after it, see the end). Each rank touches about 3x the message (copy in
+// of (n-1)/n, 1/n reduce, copy out) instead of n+2 times.
 template <typename Io>
 void ShmComm::allReduceScatterGather(const Io& io, size_t count, const CallInfo& info) {
   const size_t es = elementSize(info.dtype);
@@ -582,15 +593,20 @@ void ShmComm::allReduceScatterGather(const Io& io, size_t count, const CallInfo&
     const size_t segBegin = k * seg;
     const size_t segLen = k < nseg ? std::min(seg, count - segBegin) : 0;
     if (k == 0) publishDescriptor(s, info, count);
-    if (segLen) io.gather(slot(rank_, s), segBegin, segLen);
+    const auto [b, e] = sliceOf(rank_, segLen, size_);
+    if (b) io.gather(slot(rank_, s), segBegin, b);
+    if (e < segLen) io.gather(slot(rank_, s) + e * es, segBegin + e, segLen - e);
     arriveAndWait(s);
     if (k == 0) checkDescriptors(s, true);
-    if (segLen) {
-      const auto [b, e] = sliceOf(rank_, segLen, size_);
-      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + b * es;
-      char* outHalf = slot(rank_, s) + options_.chunk_bytes;
-      reduceInto(outHalf + b * es, srcs.data(), size_, e - b, info.dtype, info.op, size_);
-    }
+    // Sources in rank order, ours from the input: the same sums bit for bit
+    // as through the slot.
+    char* outHalf = slot(rank_, s) + options_.chunk_bytes;
+    io.forIn(segBegin + b, e - b, [&](const char* mine, size_t done, size_t n) {
+      for (int r = 0; r < size_; ++r) srcs[r] = slot(r, s) + (b + done) * es;
+      srcs[rank_] = mine;
+      reduceInto(outHalf + (b + done) * es, srcs.data(), size_, n, info.dtype, info.op,
+                 size_);
+    });
     if (k > 0) {
       const size_t prevBegin = (k - 1) * seg;
       const size_t prevLen = std::min(seg, count - prevBegin);
