@@ -25,6 +25,12 @@ bfloat16`` times every engine in bf16 (MPI is float32 only: mpi4py has no
 bf16 reduction). ``--worlds 1`` gives the floor: a collective
 of one rank through the same torch path.
 
+``--data fresh`` has every rank rewrite what it contributes (zeros, through
+a numpy view, the same fill on the MPI side) before each timed call, as a
+training step's new values are. By default the same data is sent again and
+again, and a transport that reads the peer's buffer in place (Open MPI's
+single copy) then finds it in its own cache from the call before.
+
 ``--nodes K`` makes the ranks K simulated hosts (DSP_NODE_ID, contiguous blocks
 of ranks): "dsp" then runs hierarchically (shared memory within a host, gloo
 between hosts), against gloo flat over all ranks on the same layout. On one
@@ -90,8 +96,9 @@ def fmt_bytes(b: int) -> str:
 
 
 def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
-    """Returns (run, check): run() does one collective; check() counts wrong
-    elements. ``engine`` (all_reduce only): "dist" (``dist.all_reduce``), "op"
+    """Returns (run, check, mine): run() does one collective; check() counts
+    wrong elements; mine is what this rank contributes (None: nothing, a
+    broadcast's non-root). ``engine`` (all_reduce only): "dist" (``dist.all_reduce``), "op"
     (our ``dsparallel.ops.all_reduce_``) or "deepspeed" (DeepSpeed's
     ``torch.ops.deepspeed.inference_all_reduce_``, the world group)."""
     import torch
@@ -124,6 +131,8 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
             run()
             return int((buf != n * (n + 1) / 2).sum())
 
+        mine = buf
+
     elif name == "all_gather":
         per = max(1, elems // n)
         inp, out = empty(per), empty(per * n)
@@ -137,6 +146,8 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
             expect = arange(n).repeat_interleave(per)
             return int((out != expect).sum())
 
+        mine = inp
+
     elif name == "reduce_scatter":
         per = max(1, elems // n)
         inp, out = empty(per * n), empty(per)
@@ -149,6 +160,8 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
             run()
             return int((out != n * rank + n * (n - 1) / 2).sum())
 
+        mine = inp
+
     elif name == "broadcast":
         buf = empty(elems)
 
@@ -160,9 +173,28 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
             run()
             return int((buf != 7.0).sum())
 
+        mine = buf if rank == 0 else None
+
     else:
         raise ValueError(name)
-    return run, check
+    return run, check, mine
+
+
+def _fresh(run, mine):
+    """run() after rewriting `mine` (zeros) through a numpy view, the same
+    fill mpi_collectives.py times on the MPI side: each call then finds this
+    rank's contribution just written, as a training step's new values are."""
+    if mine is None:
+        return run
+    import torch
+
+    view = mine.view(torch.uint8).numpy()
+
+    def fresh_run():
+        view.fill(0)
+        run()
+
+    return fresh_run
 
 
 def _time(runs, size_bytes):
@@ -226,7 +258,7 @@ def _deepspeed_op(n):
     return hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
 
 
-def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=True):
+def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=True, data="static"):
     import warnings
 
     import torch
@@ -255,11 +287,11 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
                 engines.update(extras)
             runs = {}
             for name, (group, engine) in engines.items():
-                run, check = _make_op(coll, n, rank, size, group, dtype, engine)
+                run, check, mine = _make_op(coll, n, rank, size, group, dtype, engine)
                 wrong = torch.tensor([check()])
                 dist.all_reduce(wrong, group=None)
                 row[name] = {"wrong": int(wrong.item())}
-                runs[name] = run
+                runs[name] = _fresh(run, mine) if data == "fresh" else run
             # gloo on its own: after a gloo call the shared-memory engines ran
             # up to 20x slower for a while on the 2-core machine (its threads
             # and sockets), which would spoil their ratios to each other.
@@ -319,10 +351,11 @@ def run_json(cmd: list[str]) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
 
 
-def _run_mpi(n, collective, sizes):
+def _run_mpi(n, collective, sizes, data="static"):
     """The collective through MPI (mpi4py) on the same sizes (us per call, slowest rank)."""
     script = os.path.join(HERE, "mpi_collectives.py")
-    return run_json(mpirun(n) + [sys.executable, script, collective] + [str(s) for s in sizes])
+    cmd = [sys.executable, script, collective, data] + [str(s) for s in sizes]
+    return run_json(mpirun(n) + cmd)
 
 
 HEADER = (
@@ -442,6 +475,7 @@ def _run_linked_hosts(n, args, sizes):
             cmd = ["ip", "netns", "exec", ns[host], sys.executable, os.path.abspath(__file__)]
             cmd += ["--worlds", str(n), "--nodes", "2", "--collectives", *args.collectives]
             cmd += ["--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--rank", str(r)]
+            cmd += ["--dtype", args.dtype, "--data", args.data]
             env = dict(
                 os.environ,
                 MASTER_ADDR=addr[0],
@@ -481,6 +515,12 @@ def main():
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--nodes", type=int, default=1, help="simulated hosts (DSP_NODE_ID)")
     ap.add_argument("--link-mbit", type=int, help="with --nodes 2: hosts in network namespaces")
+    ap.add_argument(
+        "--data",
+        default="static",
+        choices=["static", "fresh"],
+        help="fresh: each rank rewrites what it contributes before every timed call",
+    )
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # one rank of --link-mbit
     args = ap.parse_args()
     lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
@@ -488,7 +528,9 @@ def main():
     if args.rank is not None:
         n = args.worlds[0]
         os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(n), OMP_NUM_THREADS="1")
-        rows = _worker(args.rank, n, args.collectives, sizes, args.nodes, args.dtype, False)
+        rows = _worker(
+            args.rank, n, args.collectives, sizes, args.nodes, args.dtype, False, args.data
+        )
         if args.rank == 0:
             print("ROWS " + json.dumps(rows), flush=True)
         return
@@ -507,14 +549,21 @@ def main():
             world_rows = _run_linked_hosts(n, args, sizes)
         else:
             world_rows = run_ranks(
-                _worker, n, args.collectives, sizes, args.nodes, args.dtype, not args.no_deepspeed
+                _worker,
+                n,
+                args.collectives,
+                sizes,
+                args.nodes,
+                args.dtype,
+                not args.no_deepspeed,
+                args.data,
             )
         # mpi4py reduces no bfloat16: the MPI column is float32 only. At world
         # size 1 there is no bus bandwidth to compare (its factor is 0).
         mpi_ok = args.nodes == 1 and n > 1 and not args.no_mpi and args.dtype == "float32"
         mpi_ok = mpi_ok and _mpi_available()
         for collective in args.collectives if mpi_ok else []:
-            mpi = _run_mpi(n, collective, sizes)
+            mpi = _run_mpi(n, collective, sizes, args.data)
             for r in world_rows:
                 if r["collective"] == collective and r["bytes"] in mpi:
                     r["mpi_us"] = mpi[r["bytes"]]

@@ -1,6 +1,6 @@
 """MPI timings (float32) for benchmarks/collectives.py.
 
-    mpirun -n N python mpi_collectives.py COLLECTIVE SIZE...
+    mpirun -n N python mpi_collectives.py COLLECTIVE static|fresh SIZE...
 
 COLLECTIVE is all_reduce (MPI_Allreduce, sum), all_gather (MPI_Allgather),
 reduce_scatter (MPI_Reduce_scatter_block, sum) or broadcast (MPI_Bcast from
@@ -8,7 +8,9 @@ rank 0); each SIZE is bytes of the largest buffer, as on the torch side
 (all_gather: the output; reduce_scatter: the input). Rank 0 prints one JSON
 line {bytes: microseconds per call on the slowest rank}. Same warm-up, time
 budget and median of three rounds as the torch side, and the same
-correctness check on exactly representable values before timing.
+correctness check on exactly representable values before timing. "fresh"
+rewrites this rank's contribution (zeros) before every timed call, as
+collectives.py --data fresh does on the torch side.
 """
 
 import json
@@ -23,7 +25,8 @@ ROUNDS = 3
 
 
 def _case(comm, name, size):
-    """(run, check): one call, and one checked call returning #wrong."""
+    """(run, check, mine): one call, one checked call returning #wrong, and
+    what this rank contributes (None: nothing)."""
     n, rank = comm.Get_size(), comm.Get_rank()
     elems = max(1, size // 4)
     if name == "all_reduce":
@@ -37,6 +40,8 @@ def _case(comm, name, size):
             run()
             return int((recv != n * (n + 1) / 2).sum())
 
+        mine = send
+
     elif name == "all_gather":
         per = max(1, elems // n)
         send, recv = np.empty(per, np.float32), np.empty(per * n, np.float32)
@@ -48,6 +53,8 @@ def _case(comm, name, size):
             send.fill(rank)
             run()
             return int((recv != np.repeat(np.arange(n, dtype=np.float32), per)).sum())
+
+        mine = send
 
     elif name == "reduce_scatter":
         per = max(1, elems // n)
@@ -61,6 +68,8 @@ def _case(comm, name, size):
             run()
             return int((recv != n * rank + n * (n - 1) / 2).sum())
 
+        mine = send
+
     elif name == "broadcast":
         buf = np.empty(elems, np.float32)
 
@@ -72,19 +81,37 @@ def _case(comm, name, size):
             run()
             return int((buf != 7.0).sum())
 
+        mine = buf if rank == 0 else None
+
     else:
         raise SystemExit(f"unknown collective {name}")
-    return run, check
+    return run, check, mine
+
+
+def _fresh(run, mine):
+    if mine is None:
+        return run
+    view = mine.view(np.uint8)
+
+    def fresh_run():
+        view.fill(0)
+        run()
+
+    return fresh_run
 
 
 def main():
     comm = MPI.COMM_WORLD
-    name, sizes = sys.argv[1], map(int, sys.argv[2:])
+    name, data, sizes = sys.argv[1], sys.argv[2], map(int, sys.argv[3:])
+    if data not in ("static", "fresh"):
+        raise SystemExit(f"data must be static or fresh, not {data}")
     out = {}
     for size in sizes:
-        run, check = _case(comm, name, size)
+        run, check, mine = _case(comm, name, size)
         wrong = comm.allreduce(check(), op=MPI.SUM)
         assert wrong == 0, f"MPI {name} gave {wrong} wrong elements at {size} bytes"
+        if data == "fresh":
+            run = _fresh(run, mine)
         for _ in range(3 if size >= (16 << 20) else 20):
             run()
         comm.Barrier()
