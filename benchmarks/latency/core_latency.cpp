@@ -10,9 +10,10 @@
 // rewrites what this rank contributes (all of it for all_reduce, its piece
 // for all_gather, the root's buffer for broadcast), as training does with
 // each step's new values: a peer then cannot find it still in its own cache
-// from the call before, and the rewrite's own time counts. Per size: untimed calls (an
-// eighth of a round, at least 200), then 5 rounds, each ended by a barrier so that it
-// lasts until the slowest rank is done; rank 0 prints the median round's time per call.
+// from the call before, and the rewrite's own time counts. Per size: untimed
+// calls (an eighth of a round, at least 200), then 5 rounds, each ended by a
+// barrier so that it lasts until the slowest rank is done; rank 0 prints the
+// median round's time per call.
 #include <sys/wait.h>
 #include <unistd.h>
 
