@@ -21,8 +21,8 @@ and no dispatcher on the way; it calls the kernel of the torch op
 when DeepSpeed is installed (one host), its CPU shared-memory all-reduce
 ``torch.ops.deepspeed.inference_all_reduce_`` (built on first use;
 DS_ACCELERATOR=cpu), with the ratios of our times to its. ``--dtype
-bfloat16`` times every engine in bf16 (MPI is float32 only: mpi4py has no
-bf16 reduction). ``--worlds 1`` gives the floor: a collective
+bfloat16`` (or ``float16``) times every engine in that dtype (MPI is float32
+only: mpi4py has no bf16 or fp16 reduction). ``--worlds 1`` gives the floor: a collective
 of one rank through the same torch path.
 
 ``--data fresh`` has every rank rewrite what it contributes (zeros, through
@@ -276,7 +276,7 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
     # all_reduce only: our direct op, and DeepSpeed's when it is installed
     # (one host, its dtypes).
     extras = {"dsp-op": (None, "op")}
-    if deepspeed and nodes == 1 and dtype in ("float32", "bfloat16") and _deepspeed_op(n):
+    if deepspeed and nodes == 1 and dtype in ("float32", "bfloat16", "float16") and _deepspeed_op(n):
         extras["deepspeed"] = (None, "deepspeed")
     rows = []
     for coll in collectives:
@@ -511,7 +511,7 @@ def main():
     ap.add_argument("--plot", help="write a PNG of busbw against size")
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--no-mpi", action="store_true")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--nodes", type=int, default=1, help="simulated hosts (DSP_NODE_ID)")
     ap.add_argument("--link-mbit", type=int, help="with --nodes 2: hosts in network namespaces")
@@ -558,7 +558,7 @@ def main():
                 not args.no_deepspeed,
                 args.data,
             )
-        # mpi4py reduces no bfloat16: the MPI column is float32 only. At world
+        # mpi4py reduces no bfloat16 or float16: the MPI column is float32 only. At world
         # size 1 there is no bus bandwidth to compare (its factor is 0).
         mpi_ok = args.nodes == 1 and n > 1 and not args.no_mpi and args.dtype == "float32"
         mpi_ok = mpi_ok and _mpi_available()

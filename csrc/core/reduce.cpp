@@ -12,6 +12,10 @@
 
 #include "half.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace dsp {
 namespace {
 
@@ -21,20 +25,23 @@ namespace generic {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DSP_HAVE_AVX2_KERNELS 1
+// Both wide builds convert fp16 with F16C (reduce_kernels.inc says why).
+#define DSP_KERNEL_F16C 1
 #pragma GCC push_options
 // No FMA: a contracted multiply-add would round differently from the
 // baseline build (fp16 conversion), and both builds must agree to the bit.
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,f16c")
 namespace avx2 {
 #include "reduce_kernels.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl")
+#pragma GCC target("avx512f,avx512bw,avx512vl,f16c")
 namespace avx512 {
 #include "reduce_kernels.inc"
 }  // namespace avx512
 #pragma GCC pop_options
+#undef DSP_KERNEL_F16C
 #endif
 
 using Kernel = void (*)(void*, const void* const*, int, size_t, DType, ReduceOp, int);
@@ -50,10 +57,11 @@ const Build kBuilds[] = {
 #ifdef DSP_HAVE_AVX2_KERNELS
     {"avx512", &avx512::kernel,
      [] {
-       return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+       return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+              __builtin_cpu_supports("f16c");
      }},
     {"avx2", &avx2::kernel,
-     [] { return static_cast<bool>(__builtin_cpu_supports("avx2")); }},
+     [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }},
 #endif
     {"generic", &generic::kernel, [] { return true; }},
 };
