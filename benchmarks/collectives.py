@@ -276,7 +276,8 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
     # all_reduce only: our direct op, and DeepSpeed's when it is installed
     # (one host, its dtypes).
     extras = {"dsp-op": (None, "op")}
-    if deepspeed and nodes == 1 and dtype in ("float32", "bfloat16", "float16") and _deepspeed_op(n):
+    ds_dtypes = ("float32", "bfloat16", "float16")  # what its op reduces
+    if deepspeed and nodes == 1 and dtype in ds_dtypes and _deepspeed_op(n):
         extras["deepspeed"] = (None, "deepspeed")
     rows = []
     for coll in collectives:
