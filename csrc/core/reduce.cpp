@@ -31,9 +31,13 @@ namespace generic {
 // No FMA: a contracted multiply-add would round differently from the
 // baseline build (fp16 conversion), and both builds must agree to the bit.
 #pragma GCC target("avx2,f16c")
+// bf16 in explicit 16-lane pairs: faster than the compiler's loop with AVX2,
+// slower than its AVX-512 one (results/collectives-bf16-avx2-2026-12-03.txt).
+#define DSP_BF16_LANES 1
 namespace avx2 {
 #include "reduce_kernels.inc"
 }  // namespace avx2
+#undef DSP_BF16_LANES
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,f16c")
