@@ -1,6 +1,6 @@
 """DDP step time: torch's DDP and dsparallel's, over gloo and "dsp", in one run.
 
-    python benchmarks/ddp.py [--world 2] [--steps 8] [--json out.json]
+    python benchmarks/ddp.py [--world 2] [--steps 8] [--hook fp16|bf16] [--json out.json]
 
 Two models: a communication-bound MLP (~50M parameters, small batch) and a
 compute-bound conv net (small parameters, larger batch). For each model it
@@ -14,7 +14,10 @@ configurations are timed in interleaved rounds), and:
   hidden  how much of `comm` the overlap hid: 1 - (step - local) / comm
 
 Ratios are against torch DDP over gloo, the configuration users would
-otherwise run.
+otherwise run. ``--hook fp16`` (or ``bf16``) registers torch's compress hook
+of that dtype on every configuration (ours takes torch's hooks): the
+buckets then travel, and are reduced, in half precision; `comm` then moves
+buckets of that dtype.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def compute_bound_model():
 MODELS = {"comm-bound MLP 51M": comm_bound_model, "compute-bound conv": compute_bound_model}
 
 
-def _worker(rank, world, steps, warmup):
+def _worker(rank, world, steps, warmup, hook=None):
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import dsparallel
 
@@ -92,7 +96,8 @@ def _worker(rank, world, steps, warmup):
         # cap), preallocated, all launched then awaited, as the reducer does.
         numel = sum(p.numel() for p in model.parameters())
         cap = 25 * 1024 * 1024 // 4
-        buckets = [torch.zeros(min(cap, numel - i)) for i in range(0, numel, cap)]
+        wire = {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[hook]
+        buckets = [torch.zeros(min(cap, numel - i), dtype=wire) for i in range(0, numel, cap)]
 
         def comm_alone(group, buckets=buckets):
             works = [dist.all_reduce(b, group=group, async_op=True) for b in buckets]
@@ -118,6 +123,9 @@ def _worker(rank, world, steps, warmup):
             torch.manual_seed(0)
             replica, _ = make()
             ddp = wrappers[ddp_name](replica, process_group=groups[backend])
+            if hook:
+                compress = getattr(default_hooks, f"{hook}_compress_hook")
+                ddp.register_comm_hook(groups[backend], compress)
             opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
             def step(ddp=ddp, opt=opt, x=x):
@@ -164,12 +172,14 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--hook", choices=["fp16", "bf16"], help="torch's compress hook")
     ap.add_argument("--json")
     args = ap.parse_args()
-    rows = run_ranks(_worker, args.world, args.steps, args.warmup)
+    rows = run_ranks(_worker, args.world, args.steps, args.warmup, args.hook)
+    hooked = f", {args.hook} compress hook" if args.hook else ""
     print(
-        f"DDP step time, {args.world} ranks, median over {ROUNDS} interleaved rounds of "
-        f"{max(1, args.steps // ROUNDS)}-step medians"
+        f"DDP step time, {args.world} ranks{hooked}, median over {ROUNDS} interleaved rounds "
+        f"of {max(1, args.steps // ROUNDS)}-step medians"
     )
     print(_format(rows))
     if args.json:
