@@ -29,7 +29,8 @@ namespace generic {
 #define DSP_KERNEL_F16C 1
 #pragma GCC push_options
 // No FMA: a contracted multiply-add would round differently from the
-// baseline build (fp16 conversion), and both builds must agree to the bit.
+// baseline build (its fp16 conversion multiplies), and all builds must agree
+// to the bit.
 #pragma GCC target("avx2,f16c")
 // bf16 in explicit 16-lane pairs: faster than the compiler's loop with AVX2,
 // slower than its AVX-512 one (results/collectives-bf16-avx2-2026-12-03.txt).
