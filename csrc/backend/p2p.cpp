@@ -6,9 +6,11 @@
 // receive is matched and copied out by whichever thread tests or waits on its
 // Work. That takes gloo's socket and helper thread out of the path, which is
 // what a pipeline's activations and gradients wait on. A message larger than
-// the ring takes, a CUDA tensor (NCCL) and any message of a group spanning
-// hosts go elsewhere; both ends route by the same facts (size, device,
-// layout), so they always meet.
+// the ring takes is read in place by the receiver (one copy; the send's Work
+// completes once it has), where the kernel lets it read the sender's memory.
+// Elsewhere such a message, a CUDA tensor (NCCL) and any message of a group
+// spanning hosts go to another backend; both ends route by the same facts
+// (size, device, layout, the single-copy table), so they always meet.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -18,23 +20,19 @@
 namespace dsparallel {
 namespace {
 
-// A receive through the rings: completes when a test or wait finds it done.
-class ShmRecvWork : public c10d::Work {
+// A transfer through the rings that completes later: a receive, or a send
+// read in place. Completes when a test or wait finds it done.
+class ShmP2PWork : public c10d::Work {
  public:
-  ShmRecvWork(c10::intrusive_ptr<ProcessGroupDSP> pg, dsp::ShmP2P* p2p, at::Tensor t,
-              int src, int tag)
-      : c10d::Work(pg->getRank(),
-                   src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+  ShmP2PWork(c10::intrusive_ptr<ProcessGroupDSP> pg, dsp::ShmP2P* p2p, c10d::OpType type)
+      : c10d::Work(pg->getRank(), type),
         pg_(std::move(pg)),  // keeps the rings mapped while this is pending
-        p2p_(p2p),
-        staged_(t) {
-    request_ = p2p_->postRecv(src, tag, staged_.ptr(), staged_.bytes());
-  }
+        p2p_(p2p) {}
 
   bool isCompleted() override {
     if (!Work::isCompleted()) {
       try {
-        if (p2p_->test(request_)) done(nullptr);
+        if (poll()) done(nullptr);
       } catch (...) {
         done(std::current_exception());
       }
@@ -46,14 +44,16 @@ class ShmRecvWork : public c10d::Work {
     if (!Work::isCompleted()) {
       const bool bounded = timeout != kNoTimeout;
       try {
-        p2p_->wait(request_, bounded ? timeout : std::chrono::milliseconds(0));
+        block(bounded ? timeout : std::chrono::milliseconds(0));
         done(nullptr);
       } catch (...) {
         // A receive left posted would later be filled into memory that may
         // be gone, and the peers are out of step: as for a collective, an
         // expired bounded wait breaks the group.
         if (bounded && !Work::isCompleted()) {
-          pg_->breakGroup("dsp: a recv's Work.wait(timeout) expired after " +
+          pg_->breakGroup(std::string("dsp: a ") +
+                          (retrieveOpType() == c10d::OpType::SEND ? "send" : "recv") +
+                          "'s Work.wait(timeout) expired after " +
                           std::to_string(timeout.count()) + " ms on rank " +
                           std::to_string(pg_->getRank()) +
                           "; this process group refuses further work: create a new "
@@ -67,18 +67,57 @@ class ShmRecvWork : public c10d::Work {
     return true;
   }
 
-  int sourceRank() const override { return p2p_->sourceOf(request_); }
+ protected:
+  virtual bool poll() = 0;
+  virtual void block(std::chrono::milliseconds timeout) = 0;
+  virtual void completed() {}
+
+  dsp::ShmP2P* p2p_;
 
  private:
   void done(std::exception_ptr error) {
-    if (!error) staged_.copyBack();
+    if (!error) completed();
     finish(error);
   }
 
   c10::intrusive_ptr<ProcessGroupDSP> pg_;
-  dsp::ShmP2P* p2p_;
+};
+
+class ShmRecvWork : public ShmP2PWork {
+ public:
+  ShmRecvWork(c10::intrusive_ptr<ProcessGroupDSP> pg, dsp::ShmP2P* p2p, at::Tensor t,
+              int src, int tag)
+      : ShmP2PWork(std::move(pg), p2p,
+                   src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+        staged_(t) {
+    request_ = p2p_->postRecv(src, tag, staged_.ptr(), staged_.bytes());
+  }
+  int sourceRank() const override { return p2p_->sourceOf(request_); }
+
+ private:
+  bool poll() override { return p2p_->test(request_); }
+  void block(std::chrono::milliseconds timeout) override {
+    p2p_->wait(request_, timeout);
+  }
+  void completed() override { staged_.copyBack(); }
+
   Staged staged_;
   dsp::ShmP2P::RequestPtr request_;
+};
+
+// A send too large for a ring, read in place by the receiver: complete once
+// it has. (The rings hold the tensor until then, whatever becomes of this.)
+class ShmSendInPlaceWork : public ShmP2PWork {
+ public:
+  ShmSendInPlaceWork(c10::intrusive_ptr<ProcessGroupDSP> pg, dsp::ShmP2P* p2p,
+                     dsp::ShmP2P::SendTicket ticket)
+      : ShmP2PWork(std::move(pg), p2p, c10d::OpType::SEND), ticket_(ticket) {}
+
+ private:
+  bool poll() override { return p2p_->test(ticket_); }
+  void block(std::chrono::milliseconds timeout) override { p2p_->wait(ticket_, timeout); }
+
+  dsp::ShmP2P::SendTicket ticket_;
 };
 
 // A send through the rings: done by the time it is returned.
@@ -89,10 +128,18 @@ class ShmSendWork : public c10d::Work {
 
 }  // namespace
 
-dsp::ShmP2P* ProcessGroupDSP::shmP2P(const at::Tensor& t) {
+dsp::ShmP2P* ProcessGroupDSP::shmP2P(const at::Tensor& t, int reader, int writer) {
   if (multiHost() || !t.device().is_cpu() || t.is_sparse()) return nullptr;
   dsp::ShmP2P& p2p = comm_->p2p();
-  return t.nbytes() <= p2p.maxMessageBytes() ? &p2p : nullptr;
+  if (t.nbytes() <= p2p.maxMessageBytes()) return &p2p;
+  // Larger: read in place, where the reader may read the writer's memory
+  // (both ends see the same table). Any source: from every peer.
+  for (int w = 0; w < getSize(); ++w) {
+    if (w != reader && (writer < 0 || w == writer) && !p2p.singleCopy(reader, w)) {
+      return nullptr;
+    }
+  }
+  return &p2p;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& tensors,
@@ -100,13 +147,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& te
   const at::Tensor& t = single(tensors, "send");
   if (auto* b = route(t, "send", /*across_hosts=*/false))
     return b->send(tensors, dst_rank, tag);
-  if (dsp::ShmP2P* p2p = shmP2P(t)) {
+  if (dsp::ShmP2P* p2p = shmP2P(t, dst_rank, getRank())) {
     const at::Tensor data = t.contiguous();
-    p2p->send(dst_rank, tag, data.data_ptr(), data.nbytes());
-    return c10::make_intrusive<ShmSendWork>(getRank());
+    if (data.nbytes() <= p2p->maxMessageBytes()) {
+      p2p->send(dst_rank, tag, data.data_ptr(), data.nbytes());
+      return c10::make_intrusive<ShmSendWork>(getRank());
+    }
+    const auto ticket = p2p->sendInPlace(dst_rank, tag, data.data_ptr(), data.nbytes(),
+                                         std::make_shared<at::Tensor>(data));
+    return c10::make_intrusive<ShmSendInPlaceWork>(
+        c10::intrusive_ptr<ProcessGroupDSP>::unsafe_reclaim_from_nonowning(this), p2p,
+        ticket);
   }
   TORCH_CHECK(p2p_, "dsp send: this group has no point-to-point transport");
-  return p2p_->send(tensors, dst_rank, tag);
+  // gloo refuses a non-contiguous tensor; the rings take any (its Work holds
+  // the contiguous copy until sent).
+  std::vector<at::Tensor> contiguous = {t.contiguous()};
+  return p2p_->send(contiguous, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(std::vector<at::Tensor>& tensors,
@@ -124,7 +181,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::receive(std::vector<at::Tensor>&
   const at::Tensor& t = single(tensors, "recv");
   dsp::ShmP2P* shm = nullptr;
   c10d::Backend* other = route(t, "recv", /*across_hosts=*/false);
-  if (other == nullptr && (shm = shmP2P(t)) == nullptr) {
+  if (other == nullptr && (shm = shmP2P(t, getRank(), src_rank)) == nullptr) {
     TORCH_CHECK(p2p_, "dsp recv: this group has no point-to-point transport");
     other = p2p_.get();
   }

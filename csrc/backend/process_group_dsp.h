@@ -209,9 +209,10 @@ class ProcessGroupDSP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> receive(std::vector<at::Tensor>& tensors, int src_rank,
                                          int tag);
 
-  // The shared-memory rings, when they serve a message of `bytes` on CPU
-  // tensors (one host, small enough); null: gloo does.
-  dsp::ShmP2P* shmP2P(const at::Tensor& t);
+  // The shared-memory rings, when they serve `t` from `writer` to `reader`
+  // (-1: any rank): CPU tensors on one host, small enough for a ring or
+  // readable in place; null: gloo does.
+  dsp::ShmP2P* shmP2P(const at::Tensor& t, int reader, int writer);
 
   // Queues `run` for the worker. A blocking call (`blocking`: torch's
   // asyncOp false, as dist.* passes without async_op=True, and no timeout

@@ -1,10 +1,14 @@
 // ShmP2P with ranks as threads: matching by tag in posting order, messages
 // that arrive before their receive, any-source receives, rings that wrap and
-// fill up (both ways at once), and the errors: a size mismatch, a message too
-// large, a receive that nothing answers.
+// fill up (both ways at once), messages read in place, and the errors: a size
+// mismatch, a message too large, a receive or an in-place send that nothing
+// answers. (Threads share one process, which can always read itself: the
+// single-copy table is all true here.)
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -212,6 +216,118 @@ TEST(ShmP2P, TimeoutShorterThanTheSpinBudgetEndsTheWait) {
       },
       o);
   expectNoErrors(errs);
+}
+
+// Messages larger than a ring go in place: matched by tag among ring
+// messages in posting order, read before their receive is posted (set aside)
+// or into it; the send completes only once read, and the sender's buffer is
+// held until then even though the caller let go of it.
+TEST(ShmP2P, LargeMessagesAreReadInPlace) {
+  std::atomic<bool> sent{false}, checked{false};
+  expectNoErrors(runRanks(
+      2,
+      [&](ShmComm& c) {
+        auto& p = c.p2p();
+        const size_t big = p.maxMessageBytes() / 4 * 10;  // ints: 10 rings' worth
+        if (c.rank() == 0) {
+          ASSERT_TRUE(p.singleCopy(1, 0));
+          std::vector<ShmP2P::SendTicket> tickets;
+          std::weak_ptr<const void> held;
+          for (int64_t tag : {1, 3}) {
+            auto v = std::make_shared<std::vector<int32_t>>(payload(tag, big + tag));
+            if (tag == 3) held = v;
+            tickets.push_back(p.sendInPlace(1, tag, v->data(), v->size() * 4, v));
+            auto small = payload(tag + 1, 5);
+            p.send(1, tag + 1, small.data(), small.size() * 4);
+          }
+          sent = true;
+          EXPECT_FALSE(p.test(tickets[1]));  // nobody has read it yet
+          EXPECT_FALSE(held.expired());
+          checked = true;
+          for (const auto& t : tickets) p.wait(t);
+          EXPECT_TRUE(held.expired());
+        } else {
+          while (!checked) std::this_thread::yield();
+          ASSERT_TRUE(sent);
+          std::vector<int32_t> a(big + 3), b(5), d(big + 1), e(5);
+          auto ra = p.postRecv(0, 3, a.data(), a.size() * 4);
+          p.wait(ra);  // drains tags 1 and 2 aside on the way
+          p.wait(p.postRecv(0, 1, d.data(), d.size() * 4));
+          p.wait(p.postRecv(0, 4, e.data(), e.size() * 4));
+          p.wait(p.postRecv(0, 2, b.data(), b.size() * 4));
+          EXPECT_EQ(a, payload(3, big + 3));
+          EXPECT_EQ(d, payload(1, big + 1));
+          EXPECT_EQ(b, payload(2, 5));
+          EXPECT_EQ(e, payload(4, 5));
+        }
+      },
+      ringOptions(4096)));
+}
+
+// Two ranks each send the other a message in place and wait for it to be
+// read before receiving anything: each waiting sender reads the other's.
+TEST(ShmP2P, InPlaceSendsBothWaysDoNotDeadlock) {
+  expectNoErrors(runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        const int peer = 1 - c.rank();
+        const size_t ints = p.maxMessageBytes();
+        auto v = payload(c.rank(), ints);
+        p.wait(p.sendInPlace(peer, 0, v.data(), v.size() * 4, nullptr));
+        std::vector<int32_t> got(ints);
+        p.wait(p.postRecv(peer, 0, got.data(), got.size() * 4));
+        EXPECT_EQ(got, payload(peer, ints));
+      },
+      ringOptions(4096)));
+}
+
+TEST(ShmP2P, InPlaceErrorsNameThePeerTagAndSizes) {
+  auto errs = runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        std::vector<char> big(p.maxMessageBytes() * 3);
+        if (c.rank() == 0) {
+          // A receive of the wrong size fails; the send still completes.
+          p.wait(p.sendInPlace(1, 5, big.data(), big.size(), nullptr));
+          // Nobody receives tag 9: the send's wait times out, naming it.
+          auto t = p.sendInPlace(1, 9, big.data(), big.size(), nullptr);
+          expectThrowWith<std::runtime_error>(
+              [&] { p.wait(t, std::chrono::milliseconds(100)); },
+              {"to rank 1 (tag 9", "did not take the message within 100 ms"},
+              "an in-place send nobody read completed");
+          c.barrier();
+        } else {
+          std::vector<char> small(big.size() - 1);
+          expectThrowWith<std::runtime_error>(
+              [&] { p.wait(p.postRecv(0, 5, small.data(), small.size())); },
+              {"from rank 0", "tag 5", std::to_string(big.size()) + " bytes",
+               "expects " + std::to_string(small.size())},
+              "a size mismatch went through");
+          c.barrier();
+          // Take tag 9 now, or rank 0's buffer would go while still announced.
+          p.wait(p.postRecv(0, 9, big.data(), big.size()));
+        }
+      },
+      ringOptions(4096));
+  expectNoErrors(errs);
+}
+
+// With single copy off, nothing goes in place.
+TEST(ShmP2P, SingleCopyCanBeTurnedOff) {
+  ShmOptions o = ringOptions(4096);
+  o.p2p_single_copy = false;
+  expectNoErrors(runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        EXPECT_FALSE(p.singleCopy(1 - c.rank(), c.rank()));
+        char x = 0;
+        EXPECT_THROW(p.sendInPlace(1 - c.rank(), 0, &x, 1, nullptr),
+                     std::invalid_argument);
+      },
+      o));
 }
 
 }  // namespace dsp

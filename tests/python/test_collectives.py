@@ -250,13 +250,19 @@ def test_send_recv(world):
     run_ranks(_p2p_body, world)
 
 
-def _p2p_paths_body(rank, n):
-    """Shared-memory rings (up to a ring's worth) and gloo (larger) for the
-    same tags, received out of order; any-source; a non-contiguous target;
-    polling; and a size mismatch named."""
+def _p2p_paths_body(rank, n, single_copy):
+    """Shared-memory rings (up to a ring's worth) and larger messages (read in
+    place by the receiver, or over gloo) for the same tags, received out of
+    order; any-source; a non-contiguous target; polling; a size mismatch
+    named; large messages both ways at once. `single_copy`: "on", "off"
+    (DSP_P2P_SINGLE_COPY=0), or "rank0-off" (rank 0 cannot read rank 1, as
+    where ptrace rules refuse one direction: 0 -> 1 goes in place, 1 -> 0
+    over gloo, and both ends agree)."""
     import os
 
     os.environ["DSP_P2P_RING_BYTES"] = "4096"
+    if single_copy == "off" or (single_copy == "rank0-off" and rank == 0):
+        os.environ["DSP_P2P_SINGLE_COPY"] = "0"
     dist.init_process_group("dsp")
     big = 4096 // 4  # floats: more than a ring takes
     if rank == 0:
@@ -287,10 +293,29 @@ def _p2p_paths_body(rank, n):
         with pytest.raises(RuntimeError, match="has 12 bytes, the receive expects 16"):
             dist.recv(torch.empty(4), 0, tag=5)
         dist.send(torch.tensor([66.0]), 0, tag=6)
+    # Large messages both ways at once, a non-contiguous bf16 source among
+    # them, each side's sends waited for only after its receives.
+    peer = 1 - rank
+    src = torch.arange(3 * big, dtype=torch.float32).reshape(3, big) + rank
+    out = [dist.isend(src, peer, tag=7), dist.isend(src.t().bfloat16(), peer, tag=8)]
+    got, got_t = torch.empty(3, big), torch.empty(big, 3, dtype=torch.bfloat16)
+    for w in [dist.irecv(got_t, peer, tag=8), dist.irecv(got, peer, tag=7)]:
+        w.wait()
+    for w in out:
+        w.wait()
+    want = torch.arange(3 * big, dtype=torch.float32).reshape(3, big) + peer
+    assert torch.equal(got, want) and torch.equal(got_t, want.t().bfloat16())
+    if single_copy == "on" and rank == 0:
+        dist.send(torch.ones(big + 1), 1, tag=9)
+    elif single_copy == "on":
+        with pytest.raises(RuntimeError, match=f"has {4 * big + 4} bytes, the receive expects"):
+            dist.recv(torch.empty(big + 2), 0, tag=9)
+    dist.barrier()
 
 
-def test_send_recv_through_rings_and_gloo():
-    run_ranks(_p2p_paths_body, 2, init=False)
+@pytest.mark.parametrize("single_copy", ["on", "off", "rank0-off"])
+def test_send_recv_through_rings_and_in_place(single_copy):
+    run_ranks(_p2p_paths_body, 2, single_copy, init=False)
 
 
 def _streamed_outputs_body(rank, n):

@@ -1,6 +1,7 @@
 #include "comm.h"
 
 #include <signal.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +26,8 @@ constexpr size_t kSoloChunkBytes = size_t{64} << 10;
 // widths, short enough that a long wait still ends up asleep.
 constexpr int kP2PSpinUs = 1000;
 constexpr uint64_t kMagic = 0x6473702d73686d31ull;  // "dsp-shm1"
+// Rank r's probe word holds kProbe + r.
+constexpr uint64_t kProbe = 0x6473702d70726f00ull;  // "dsp-pro\0"
 
 size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -114,7 +117,9 @@ struct alignas(kCacheLine) ShmComm::RankControl {
   WaitWord step;  // advanced by the owner only; waited on by everyone
   char pad0[kCacheLine - sizeof(WaitWord)];
   std::atomic<int32_t> pid;
-  char pad1[kCacheLine - sizeof(std::atomic<int32_t>)];
+  std::atomic<uint64_t> probe;     // the address of the owner's probe_word_
+  std::atomic<uint64_t> readable;  // bit r: the owner can read rank r's memory
+  char pad1[kCacheLine - 3 * sizeof(uint64_t)];
   Descriptor desc[2];                 // by step parity
   uint64_t send_bytes[2][kMaxRanks];  // all_to_all splits, by step parity
   uint64_t recv_bytes[2][kMaxRanks];
@@ -208,6 +213,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
     }
   }
   control(rank_).pid.store(static_cast<int32_t>(getpid()));
+  probe_word_ = kProbe + static_cast<uint64_t>(rank_);
+  control(rank_).probe.store(reinterpret_cast<uintptr_t>(&probe_word_));
   WaitPolicy p2p_policy = wait_policy_;
   if (!crowded) {  // else the awaited peer may need this very core
     p2p_policy.spin_us = options_.p2p_spin_us >= 0 ? options_.p2p_spin_us : kP2PSpinUs;
@@ -222,6 +229,37 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   const uint32_t s = nextStep();
   arriveAndWait(s);
   segment_.unlink();
+  probeSingleCopy();
+}
+
+void ShmComm::probeSingleCopy() {
+  // process_vm_readv may be refused: by ptrace rules (Yama's ptrace_scope
+  // lets a process read only its descendants, and torchrun's workers are
+  // siblings), by seccomp in a container. So every rank tries each peer's
+  // probe word once and publishes what it read; one more step and every
+  // rank knows the same table, so both ends of a pair route alike.
+  uint64_t mine = 0;
+  for (int r = 0; options_.p2p_single_copy && r < size_; ++r) {
+    uint64_t got = 0;
+    iovec local{&got, sizeof got};
+    iovec remote{reinterpret_cast<void*>(control(r).probe.load()), sizeof got};
+    const ssize_t n = process_vm_readv(control(r).pid.load(), &local, 1, &remote, 1, 0);
+    if (n == static_cast<ssize_t>(sizeof got) &&
+        got == kProbe + static_cast<uint64_t>(r)) {
+      mine |= uint64_t{1} << r;
+    }
+  }
+  control(rank_).readable.store(mine);
+  arriveAndWait(nextStep());
+  std::vector<bool> table(static_cast<size_t>(size_) * size_);
+  for (int reader = 0; reader < size_; ++reader) {
+    const uint64_t bits = control(reader).readable.load();
+    for (int writer = 0; writer < size_; ++writer) {
+      table[static_cast<size_t>(reader) * size_ + writer] = (bits >> writer) & 1u;
+    }
+  }
+  p2p_->enableSingleCopy(std::move(table),
+                         [this](int r) { return control(r).pid.load(); });
 }
 
 ShmComm::~ShmComm() = default;

@@ -126,6 +126,10 @@ struct ShmOptions {
   // Bytes of each point-to-point ring (one per ordered pair of ranks); 0:
   // ShmP2P::defaultRingBytes(size).
   size_t p2p_ring_bytes = 0;
+  // Point-to-point messages too large for a ring are read in place by the
+  // receiver (ShmP2P::sendInPlace) between ranks whose memory it can read;
+  // false: never (they go elsewhere).
+  bool p2p_single_copy = true;
   // A collective that writes at least this many bytes into its output copies
   // them there with non-temporal stores (stream_copy.h); 0: half the
   // last-level cache (defaultStreamMinBytes).
@@ -261,6 +265,8 @@ class ShmComm {
   size_t maxSendOverRanks(uint32_t step) const;
   [[noreturn]] void failWaiting(uint32_t step, bool dead_peer);
   [[noreturn]] void failAborted() const;
+  // Finds which ranks can read which ranks' memory (one step; see p2p.h).
+  void probeSingleCopy();
 
   template <typename Write, typename Read>
   void chunkedSteps(size_t total, size_t per, size_t count, const CallInfo& info,
@@ -291,6 +297,7 @@ class ShmComm {
   WaitPolicy wait_policy_;
   std::string broken_;  // non-empty: why this comm refuses work
   std::unique_ptr<ShmP2P> p2p_;
+  uint64_t probe_word_;  // what a peer reading our memory must find
 };
 
 }  // namespace dsp

@@ -1,9 +1,11 @@
 #include "p2p.h"
 
 #include <sched.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <stdexcept>
 
@@ -17,17 +19,25 @@ size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 // Leads every message in a ring, on a line of its own; the payload follows
 // on the next line. `skip` marks the unused end of the ring: the message is
-// at the start.
+// at the start. `remote`, when not 0, is the address of a message sent in
+// place: no payload follows, the receiver reads it from the sender.
 struct MsgHeader {
   int64_t tag;
   uint64_t bytes;
   uint64_t skip;
+  uint64_t remote;
 };
 static_assert(sizeof(MsgHeader) <= kLine, "MsgHeader: one line");
 
 size_t recordBytes(size_t payload) { return kLine + roundUp(payload, kLine); }
 
 std::string tagText(int64_t tag) { return "tag " + std::to_string(tag); }
+
+std::string sizeMismatch(int rank, int src, int64_t tag, uint64_t has, size_t expects) {
+  return "dsp recv on rank " + std::to_string(rank) + " from rank " +
+         std::to_string(src) + " (" + tagText(tag) + "): the message has " +
+         std::to_string(has) + " bytes, the receive expects " + std::to_string(expects);
+}
 
 // A blocked send or receive waits on a peer's counter in slices of 2 ms,
 // re-checking its own exit conditions (a dead peer, a receive that another
@@ -62,6 +72,8 @@ struct alignas(kLine) ShmP2P::Channel {
   char pad1[kLine - sizeof(WaitWord)];
   std::atomic<uint64_t> tail;  // bytes consumed by the receiver, ever
   char pad2[kLine - sizeof(std::atomic<uint64_t>)];
+  WaitWord pulled;  // in-place messages the receiver has read
+  char pad3[kLine - sizeof(WaitWord)];
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "tail crosses processes");
 
@@ -94,7 +106,10 @@ ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
       read_bytes_(size, 0),
       read_count_(size, 0),
       written_bytes_(size, 0),
-      written_count_(size, 0) {
+      written_count_(size, 0),
+      in_place_count_(size, 0),
+      in_flight_(size),
+      pulled_count_(size, 0) {
   if (ring_bytes_ < 4 * kLine || ring_bytes_ % kLine != 0) {
     throw std::invalid_argument("dsp: point-to-point rings of " +
                                 std::to_string(ring_bytes_) +
@@ -104,6 +119,38 @@ ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
 }
 
 size_t ShmP2P::maxMessageBytes() const { return ring_bytes_ / 2 - kLine; }
+
+void ShmP2P::enableSingleCopy(std::vector<bool> readable,
+                              std::function<int(int)> pid_of) {
+  if (readable.size() != static_cast<size_t>(size_) * size_) {
+    throw std::invalid_argument("dsp: the single-copy table needs size x size entries");
+  }
+  readable_ = std::move(readable);
+  pid_of_ = std::move(pid_of);
+}
+
+bool ShmP2P::singleCopy(int reader, int writer) const {
+  return !readable_.empty() && readable_[static_cast<size_t>(reader) * size_ + writer];
+}
+
+std::string ShmP2P::readInPlace(int src, uint64_t remote, void* to, size_t bytes) const {
+  size_t done = 0;
+  while (done < bytes) {
+    iovec local{static_cast<char*>(to) + done, bytes - done};
+    iovec from{reinterpret_cast<void*>(remote + done), bytes - done};
+    const ssize_t got = process_vm_readv(pid_of_(src), &local, 1, &from, 1, 0);
+    if (got <= 0) {
+      const int err = got < 0 ? errno : EFAULT;
+      return "dsp recv on rank " + std::to_string(rank_) + " from rank " +
+             std::to_string(src) + ": reading the message in place failed (" +
+             (peer_alive_(src) ? std::string(std::strerror(err))
+                               : std::string("the peer process has exited")) +
+             ")";
+    }
+    done += static_cast<size_t>(got);
+  }
+  return "";
+}
 
 void ShmP2P::setTimeout(std::chrono::milliseconds t) {
   timeout_ms_.store(t.count(), std::memory_order_relaxed);
@@ -145,10 +192,15 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
                                 std::to_string(maxMessageBytes()));
   }
   std::lock_guard<std::mutex> send_lock(*send_mutex_[dst]);
+  writeRecord(dst, tag, bytes, 0, data, bytes);
+}
+
+void ShmP2P::writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
+                         const void* payload, size_t payload_bytes) {
   Channel& c = channel(rank_, dst);
   char* base = ring(rank_, dst);
   uint64_t head = written_bytes_[dst];
-  const size_t rec = recordBytes(bytes);
+  const size_t rec = recordBytes(payload_bytes);
   const size_t off = head % ring_bytes_;
   const size_t waste = ring_bytes_ - off < rec ? ring_bytes_ - off : 0;
   const uint64_t end = head + waste + rec;
@@ -187,9 +239,77 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
   h->tag = tag;
   h->bytes = bytes;
   h->skip = 0;
-  if (bytes) std::memcpy(at + kLine, data, bytes);
+  h->remote = remote;
+  if (payload_bytes) std::memcpy(at + kLine, payload, payload_bytes);
   written_bytes_[dst] = head + rec;
   advance(c.sent, ++written_count_[dst]);  // publishes the message (seq_cst)
+}
+
+ShmP2P::SendTicket ShmP2P::sendInPlace(int dst, int64_t tag, const void* data,
+                                       size_t bytes, std::shared_ptr<const void> keep) {
+  if (dst < 0 || dst >= size_ || dst == rank_ || !singleCopy(dst, rank_)) {
+    throw std::invalid_argument("dsp send: rank " + std::to_string(rank_) +
+                                " cannot send in place to rank " + std::to_string(dst) +
+                                " of a group of " + std::to_string(size_));
+  }
+  std::lock_guard<std::mutex> send_lock(*send_mutex_[dst]);
+  releaseReadLocked(dst);
+  const SendTicket t{dst, tag, in_place_count_[dst] + 1};
+  // Held before the record is visible: the receiver may read at once.
+  in_flight_[dst].push_back({t.seq, std::move(keep)});
+  try {
+    writeRecord(dst, tag, bytes, reinterpret_cast<uintptr_t>(data), nullptr, 0);
+  } catch (...) {
+    in_flight_[dst].pop_back();
+    throw;
+  }
+  in_place_count_[dst] = t.seq;
+  return t;
+}
+
+void ShmP2P::releaseReadLocked(int dst) {
+  const uint32_t pulled =
+      channel(rank_, dst).pulled.value.load(std::memory_order_acquire);
+  auto& q = in_flight_[dst];
+  while (!q.empty() && reached(pulled, q.front().seq)) q.pop_front();
+}
+
+bool ShmP2P::test(const SendTicket& t) {
+  throwIfAborted();
+  {
+    // A peer may wait on us to read its own message in place before it
+    // reads ours.
+    std::lock_guard<std::mutex> lock(mutex_);
+    drainOthersLocked(-1);
+  }
+  const bool done =
+      reached(channel(rank_, t.dst).pulled.value.load(std::memory_order_acquire), t.seq);
+  if (done) {
+    std::lock_guard<std::mutex> send_lock(*send_mutex_[t.dst]);
+    releaseReadLocked(t.dst);
+  }
+  return done;
+}
+
+void ShmP2P::wait(const SendTicket& t, std::chrono::milliseconds timeout) {
+  const auto limit = timeout.count() > 0 ? timeout : this->timeout();
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  SlicedWait waiting(policy_, deadline);
+  const WaitWord& pulled = channel(rank_, t.dst).pulled;
+  for (;;) {
+    throwIfAborted();
+    if (test(t)) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (!peer_alive_(t.dst) || now >= deadline) {
+      throw std::runtime_error(
+          "dsp send to rank " + std::to_string(t.dst) + " (" + tagText(t.tag) +
+          ") from rank " + std::to_string(rank_) + ": " +
+          (peer_alive_(t.dst) ? "the receiver did not take the message within " +
+                                    std::to_string(limit.count()) + " ms"
+                              : std::string("the peer process has exited")));
+    }
+    waiting.slice(pulled, t.seq, now);
+  }
 }
 
 void ShmP2P::drainLocked(int src) {
@@ -211,20 +331,27 @@ void ShmP2P::drainLocked(int src) {
       Request& r = **match;
       r.from = src;
       if (r.bytes != h->bytes) {
-        r.error = "dsp recv on rank " + std::to_string(rank_) + " from rank " +
-                  std::to_string(src) + " (" + tagText(h->tag) + "): the message has " +
-                  std::to_string(h->bytes) + " bytes, the receive expects " +
-                  std::to_string(r.bytes);
+        r.error = sizeMismatch(rank_, src, h->tag, h->bytes, r.bytes);
+      } else if (h->remote) {
+        r.error = readInPlace(src, h->remote, r.data, h->bytes);
       } else if (h->bytes) {
         std::memcpy(r.data, payload, h->bytes);
       }
       r.done = true;
       posted_.erase(match);
+    } else if (h->remote) {
+      // Read now all the same: the sender waits for it, and it may be
+      // waiting on us in turn.
+      Unexpected u{h->tag, std::vector<char>(h->bytes), ""};
+      u.error = readInPlace(src, h->remote, u.data.data(), h->bytes);
+      unexpected_[src].push_back(std::move(u));
     } else {
       unexpected_[src].push_back(
-          {h->tag, std::vector<char>(payload, payload + h->bytes)});
+          {h->tag, std::vector<char>(payload, payload + h->bytes), ""});
     }
-    tail += recordBytes(h->bytes);
+    // The buffer read in place is the sender's again (in ring order).
+    if (h->remote) advance(c.pulled, ++pulled_count_[src]);
+    tail += recordBytes(h->remote ? 0 : h->bytes);
     read_bytes_[src] = tail;
     ++read_count_[src];
     c.tail.store(tail, std::memory_order_release);
@@ -246,11 +373,10 @@ bool ShmP2P::matchUnexpectedLocked(Request& r) {
                                  [&](const Unexpected& u) { return u.tag == r.tag; });
     if (it == q.end()) continue;
     r.from = s;
-    if (it->data.size() != r.bytes) {
-      r.error = "dsp recv on rank " + std::to_string(rank_) + " from rank " +
-                std::to_string(s) + " (" + tagText(r.tag) + "): the message has " +
-                std::to_string(it->data.size()) + " bytes, the receive expects " +
-                std::to_string(r.bytes);
+    if (!it->error.empty()) {
+      r.error = it->error;
+    } else if (it->data.size() != r.bytes) {
+      r.error = sizeMismatch(rank_, s, r.tag, it->data.size(), r.bytes);
     } else if (r.bytes) {
       std::memcpy(r.data, it->data.data(), r.bytes);
     }

@@ -14,8 +14,14 @@
 // copied aside (the "unexpected" queue) to free the ring. Progress happens
 // in whichever thread tests or waits on a receive, or sends.
 //
-// Messages larger than maxMessageBytes() do not fit; callers route them
-// elsewhere by size, which both ends know.
+// Messages larger than maxMessageBytes() do not fit in a ring. Where the
+// receiver may read the sender's memory (process_vm_readv; see
+// enableSingleCopy), such a message is sent in place instead: the ring carries
+// only its address, and the receiver copies it straight out of the sender's
+// buffer, once, when it drains that record. Such a send completes only once
+// the receiver has read it, as a large MPI or gloo send does. Elsewhere
+// callers route large messages to another transport, by facts both ends know
+// (the size, and singleCopy()).
 //
 // Thread-safe. Plain C++17, no torch.
 #pragma once
@@ -50,6 +56,13 @@ class ShmP2P {
          std::function<bool(int)> peer_alive);
 
   size_t maxMessageBytes() const;
+  // Turns on in-place sends. `readable[reader * size + writer]`: whether
+  // `reader` can read `writer`'s memory (the same table on every rank);
+  // `pid_of(r)`: rank r's process id.
+  void enableSingleCopy(std::vector<bool> readable, std::function<int(int)> pid_of);
+  // Whether messages of any size may go from `writer` to `reader` (in place
+  // above maxMessageBytes()).
+  bool singleCopy(int reader, int writer) const;
   // Thread-safe; applies to the sends and receives that start after it.
   void setTimeout(std::chrono::milliseconds t);
   // Thread-safe: a send or receive waiting now (within a few ms) or later
@@ -60,6 +73,26 @@ class ShmP2P {
   // (naming the peer) when the ring stays full past the timeout or the peer
   // has died, std::invalid_argument for a message that does not fit.
   void send(int dst, int64_t tag, const void* data, size_t bytes);
+
+  // A send in place: complete once the receiver has read the message.
+  struct SendTicket {
+    int dst = -1;
+    int64_t tag = 0;
+    uint32_t seq = 0;  // this sender's in-place messages to dst, counted
+  };
+  // Puts the address of `bytes` at `data` into dst's ring; dst reads them
+  // from there. `keep` (whatever owns the buffer) is held until then, so the
+  // buffer outlives the send even when the caller stops waiting for it.
+  // Throws std::invalid_argument where !singleCopy(dst, rank).
+  SendTicket sendInPlace(int dst, int64_t tag, const void* data, size_t bytes,
+                         std::shared_ptr<const void> keep);
+  // Whether dst has read it (also drains our incoming rings, as a waiting
+  // receive does).
+  bool test(const SendTicket& t);
+  // Blocks until dst has read it; throws on a dead peer or the timeout (the
+  // group's, or `timeout` when positive), naming the peer and tag.
+  void wait(const SendTicket& t,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   struct Request;
   using RequestPtr = std::shared_ptr<Request>;
@@ -82,10 +115,23 @@ class ShmP2P {
   struct Unexpected {
     int64_t tag;
     std::vector<char> data;
+    std::string error;  // an in-place message that could not be read
+  };
+  struct InFlight {
+    uint32_t seq;
+    std::shared_ptr<const void> keep;
   };
 
   Channel& channel(int src, int dst) const;
   char* ring(int src, int dst) const;
+  // Writes one record (header, then `payload_bytes` from `payload`) into
+  // dst's ring, waiting while it is full. Needs send_mutex_[dst].
+  void writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
+                   const void* payload, size_t payload_bytes);
+  // Reads `bytes` at `remote` in rank src's memory into `to`; "" or why not.
+  std::string readInPlace(int src, uint64_t remote, void* to, size_t bytes) const;
+  // Drops the buffers dst has read. Needs send_mutex_[dst].
+  void releaseReadLocked(int dst);
   // Takes every message that has arrived from `src`, delivering each to the
   // oldest matching posted receive or to the unexpected queue. Needs mutex_.
   void drainLocked(int src);
@@ -119,6 +165,11 @@ class ShmP2P {
   std::vector<std::unique_ptr<std::mutex>> send_mutex_;  // per destination
   std::vector<uint64_t> written_bytes_;                  // per destination: ring head
   std::vector<uint32_t> written_count_;                  // per destination
+  std::vector<uint32_t> in_place_count_;                 // per destination
+  std::vector<std::deque<InFlight>> in_flight_;          // per destination
+  std::vector<uint32_t> pulled_count_;                   // per source
+  std::vector<bool> readable_;  // [reader * size + writer]; empty: none
+  std::function<int(int)> pid_of_;
 };
 
 struct ShmP2P::Request {
