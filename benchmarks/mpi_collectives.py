@@ -3,8 +3,10 @@
     mpirun -n N python mpi_collectives.py COLLECTIVE static|fresh SIZE...
 
 COLLECTIVE is all_reduce (MPI_Allreduce, sum), all_gather (MPI_Allgather),
-reduce_scatter (MPI_Reduce_scatter_block, sum) or broadcast (MPI_Bcast from
-rank 0); each SIZE is bytes of the largest buffer, as on the torch side
+reduce_scatter (MPI_Reduce_scatter_block, sum), broadcast (MPI_Bcast from
+rank 0) or ping_pong (2 ranks: rank 0 MPI_Send then MPI_Recv, rank 1 the
+reverse, the same buffer; one call is a round trip; for benchmarks/p2p.py);
+each SIZE is bytes of the largest buffer, as on the torch side
 (all_gather: the output; reduce_scatter: the input). Rank 0 prints one JSON
 line {bytes: microseconds per call on the slowest rank}. Same warm-up, time
 budget and median of three rounds as the torch side, and the same
@@ -80,6 +82,24 @@ def _case(comm, name, size):
             buf.fill(7.0 if rank == 0 else -1.0)
             run()
             return int((buf != 7.0).sum())
+
+        mine = buf if rank == 0 else None
+
+    elif name == "ping_pong":
+        buf, peer = np.empty(elems, np.float32), 1 - rank
+
+        def run():
+            if rank == 0:
+                comm.Send(buf, dest=peer)
+                comm.Recv(buf, source=peer)
+            else:
+                comm.Recv(buf, source=peer)
+                comm.Send(buf, dest=peer)
+
+        def check():
+            buf.fill(5.0 if rank == 0 else -1.0)
+            run()
+            return int((buf != 5.0).sum())
 
         mine = buf if rank == 0 else None
 
