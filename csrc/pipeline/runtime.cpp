@@ -11,7 +11,9 @@
 // An activation carries a header (shape, dtype), so that a stage whose output
 // changes shape is caught on both ends. A stage's first activation sends its
 // header alone, then the data; from then on both ends know the size, and
-// header and payload travel as one message (one transfer, not two).
+// header and payload travel as one message (one transfer, not two), except
+// for large payloads: those keep the two messages, so that the payload goes
+// straight from the stage's output, with no copy into a message first.
 #include "runtime.h"
 
 #include <ATen/ATen.h>
@@ -66,6 +68,18 @@ int64_t payloadBytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+// From this size a payload travels as a message of its own, after its header:
+// copying 512 KiB into a one-message buffer costs more (tens of us, and the
+// buffer's fresh pages) than a second message, and on one host "dsp" reads a
+// payload this large in place, from the stage's output itself
+// (benchmarks/results/p2p-single-copy-2026-12-03.txt).
+constexpr int64_t kPayloadAloneBytes = int64_t{512} << 10;
+
+// Whether a stage whose output has this shape sends its header alone.
+bool headerAlone(const std::pair<std::vector<int64_t>, at::ScalarType>& known) {
+  return payloadBytes(known.first, known.second) >= kPayloadAloneBytes;
 }
 
 // Between two compute actions an operator costs 5-15 us: three views of a
@@ -150,12 +164,12 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   const int dst = rankOf(stage + 1);
   const auto known = shapes_.find(stage);
   // The stage's first activation: the receiver cannot know its size, so the
-  // header goes alone and the data follows. Later ones travel as one message
-  // of the known size: header, then payload.
+  // header goes alone and the data follows; so do large ones. Later small
+  // ones travel as one message of the known size: header, then payload.
+  const bool alone = known == shapes_.end() || headerAlone(known->second);
   const int64_t size =
-      known == shapes_.end()
-          ? kHeaderLen * 8
-          : kPayloadOffset + payloadBytes(known->second.first, known->second.second);
+      alone ? kHeaderLen * 8
+            : kPayloadOffset + payloadBytes(known->second.first, known->second.second);
   at::Tensor message = at::detail::empty_cpu({size}, at::kByte);
   int64_t* h = reinterpret_cast<int64_t*>(message.data_ptr());
   std::fill(h, h + kHeaderLen, 0);
@@ -166,13 +180,24 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
     checkShape(stage, mb, out.sizes(), out.scalar_type());
   } catch (...) {
     // Deliver the header (in a message of the size the receiver expects),
-    // so that it raises the same error instead of waiting for data.
+    // so that it raises the same error instead of waiting for data; and
+    // fill the payload's receive, if it posted one, so that none stays
+    // posted into memory that is gone.
     send(message, dst, tag(stage, mb, false, true))->wait();
+    if (alone) {
+      const int64_t bytes = payloadBytes(known->second.first, known->second.second);
+      send(at::detail::empty_cpu({bytes}, at::kByte), dst, tag(stage, mb, false, false))
+          ->wait();
+    }
     throw;
   }
-  if (known == shapes_.end()) {
+  if (alone) {
+    // Received into host memory, as the one-message form is; no operator
+    // is dispatched for an output already there (see above).
+    const at::Tensor payload =
+        out.is_cpu() && out.is_contiguous() ? out : out.contiguous().cpu();
     pending.push_back(send(message, dst, tag(stage, mb, false, true)));
-    pending.push_back(send(out.contiguous(), dst, tag(stage, mb, false, false)));
+    pending.push_back(send(payload, dst, tag(stage, mb, false, false)));
     return;
   }
   if (out.is_cpu() && out.is_contiguous()) {
@@ -188,18 +213,25 @@ void Runtime::prefetchActivation(int stage, int mb) {
   const auto shape = shapes_.find(stage - 1);
   const Key key{false, stage, mb};
   if (shape == shapes_.end() || posted_.count(key)) return;
+  const int src = rankOf(stage - 1);
+  const auto& [sizes, dtype] = shape->second;
   Posted p;
-  p.header = at::detail::empty_cpu(
-      {kPayloadOffset + payloadBytes(shape->second.first, shape->second.second)},
-      at::kByte);
-  p.works.push_back(recv(p.header, rankOf(stage - 1), tag(stage - 1, mb, false, true)));
+  if (headerAlone(shape->second)) {
+    p.header = at::detail::empty_cpu({kHeaderLen * 8}, at::kByte);
+    p.data = at::detail::empty_cpu(sizes, dtype);
+    p.works.push_back(recv(p.header, src, tag(stage - 1, mb, false, true)));
+    p.works.push_back(recv(p.data, src, tag(stage - 1, mb, false, false)));
+  } else {
+    p.header =
+        at::detail::empty_cpu({kPayloadOffset + payloadBytes(sizes, dtype)}, at::kByte);
+    p.works.push_back(recv(p.header, src, tag(stage - 1, mb, false, true)));
+  }
   posted_.emplace(key, std::move(p));
 }
 
 at::Tensor Runtime::receiveActivation(int stage, int mb) {
   const int src = rankOf(stage - 1);
-  const auto known = shapes_.find(stage - 1);
-  if (known == shapes_.end()) {  // the stage's first activation: header, then data
+  if (!shapes_.count(stage - 1)) {  // the stage's first activation: header, then data
     const at::Tensor h = at::empty({kHeaderLen * 8}, at::kByte);
     recv(h, src, tag(stage - 1, mb, false, true))->wait();
     const auto [shape, dtype] = parseHeader(h);
@@ -208,22 +240,14 @@ at::Tensor Runtime::receiveActivation(int stage, int mb) {
     recv(d, src, tag(stage - 1, mb, false, false))->wait();
     return d;
   }
-  at::Tensor message;
+  prefetchActivation(stage, mb);  // if not posted ahead
   const auto posted = posted_.find({false, stage, mb});
-  if (posted != posted_.end()) {
-    message = posted->second.header;
-    auto works = std::move(posted->second.works);
-    posted_.erase(posted);
-    waitAll(works);
-  } else {
-    message = at::detail::empty_cpu(
-        {kPayloadOffset + payloadBytes(known->second.first, known->second.second)},
-        at::kByte);
-    recv(message, src, tag(stage - 1, mb, false, true))->wait();
-  }
-  const auto [shape, dtype] = parseHeader(message);
+  Posted p = std::move(posted->second);
+  posted_.erase(posted);
+  waitAll(p.works);
+  const auto [shape, dtype] = parseHeader(p.header);
   checkShape(stage - 1, mb, shape, dtype);
-  return payloadOf(message, shape, dtype);
+  return p.data.defined() ? p.data : payloadOf(p.header, shape, dtype);
 }
 
 void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,

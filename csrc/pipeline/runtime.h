@@ -72,8 +72,10 @@ class Runtime {
  private:
   struct Posted {  // a receive posted ahead
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    at::Tensor header;  // activations: the whole message (header, then payload)
-    at::Tensor data;    // gradients
+    // Activations: the whole message (header, then payload), or the header
+    // alone when the payload travels on its own (into `data`).
+    at::Tensor header;
+    at::Tensor data;  // gradients, and large activations' payloads
   };
   using Key = std::tuple<bool, int, int>;  // (backward?, stage, micro-batch)
 

@@ -227,15 +227,16 @@ def test_noncontiguous_zero_and_coalesced(world):
 
 
 def _p2p_body(rank, n):
-    # ring exchange with tags, both directions
+    # ring exchange with tags, both directions; 5 floats through the rings,
+    # 1 MiB (more than half a ring) read in place
     right, left = (rank + 1) % n, (rank - 1) % n
-    for tag in (0, 7):
-        out = torch.full((5,), float(rank * 100 + tag))
-        inb = torch.empty(5)
+    for tag, numel in ((0, 5), (7, 5), (8, 1 << 18)):
+        out = torch.full((numel,), float(rank * 100 + tag))
+        inb = torch.empty(numel)
         reqs = [dist.isend(out, right, tag=tag), dist.irecv(inb, left, tag=tag)]
         for r in reqs:
             r.wait()
-        assert torch.equal(inb, torch.full((5,), float(left * 100 + tag)))
+        assert torch.equal(inb, torch.full((numel,), float(left * 100 + tag)))
     ops = [
         dist.P2POp(dist.isend, torch.full((2,), float(rank)), right),
         dist.P2POp(dist.irecv, got := torch.empty(2), left),

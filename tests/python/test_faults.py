@@ -125,6 +125,32 @@ def test_killed_rank_is_reported(size):
     run_ranks(_killed_rank_body, 2, size, pg_timeout_s=30, allow_exit=(1,))
 
 
+def _killed_peer_of_large_send_body(rank, n, who):
+    """A message too large for a ring is read in place: if its receiver dies
+    first the waiting sender says so; if its sender dies after announcing it
+    the receiver says so (it cannot read a gone process), not a hang or
+    garbage."""
+    big = torch.ones(1 << 20)  # 4 MiB: read in place
+    dist.barrier()
+    if who == "receiver" and rank == 1 or who == "sender" and rank == 0:
+        if who == "sender":
+            dist.isend(big, 1)
+        os._exit(17)
+    t0 = time.monotonic()
+    if who == "receiver":
+        _expect_error(lambda: dist.send(big, 1), "send to rank 1", "has exited")
+    else:
+        time.sleep(0.5)
+        _expect_error(lambda: dist.recv(torch.empty(1 << 20), 0), "from rank 0", "exited")
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("who", ["receiver", "sender"])
+def test_killed_peer_of_large_send_is_reported(who):
+    dead = 1 if who == "receiver" else 0
+    run_ranks(_killed_peer_of_large_send_body, 2, who, pg_timeout_s=30, allow_exit=(dead,))
+
+
 def _segments_body(rank, n):
     # Segments are unlinked once every rank attached: ours are gone already,
     # including those of sub-groups.

@@ -4,6 +4,8 @@ runs held against the unsplit model in one process.
 Tolerance: losses and every parameter gradient within rtol 1e-5, atol 1e-6
 (float32; micro-batching only reorders the sums)."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -362,11 +364,11 @@ def test_plot_planned_schedule(tmp_path):
 
 
 class _Growing(nn.Module):
-    """Outputs one more row on each call: the shape changes between micro-batches."""
+    """Outputs one row fewer on each call: the shape changes between micro-batches."""
 
-    def __init__(self):
+    def __init__(self, width):
         super().__init__()
-        self.lin = nn.Linear(3, 3)
+        self.lin = nn.Linear(width, width)
         self.calls = 0
 
     def forward(self, x):
@@ -374,21 +376,60 @@ class _Growing(nn.Module):
         return self.lin(x)[: max(1, x.shape[0] - self.calls + 1)]
 
 
-def _shape_change_body(rank, world):
-    module = _Growing() if rank == 0 else nn.Linear(3, 3)
+def _shape_change_body(rank, world, rows, width):
+    module = _Growing(width) if rank == 0 else nn.Linear(width, width)
     stage = pp.PipelineStage(module, rank, world)
     sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda out, y: out.sum())
+    x = torch.randn(2 * rows, width)
     try:
-        _step_two_stages(sched, rank, torch.randn(4, 3), torch.randn(4, 3))
+        _step_two_stages(sched, rank, x, x)
     except RuntimeError as e:
         assert "changed shape between micro-batches" in str(e), str(e)
-        assert "[2, 3]" in str(e) and "[1, 3]" in str(e), str(e)
+        assert f"[{rows}, {width}]" in str(e) and f"[{rows - 1}, {width}]" in str(e), str(e)
     else:
         raise AssertionError("a changing stage output was accepted")
 
 
-def test_stage_output_shape_change_raises_on_both_ends():
-    run_ranks(_shape_change_body, 2, pg_timeout_s=20)
+# Small outputs travel as one message; from 512 KiB (300 x 512 floats) the
+# header and the payload travel apart.
+@pytest.mark.parametrize("rows,width", [(2, 3), (300, 512)])
+def test_stage_output_shape_change_raises_on_both_ends(rows, width):
+    run_ranks(_shape_change_body, 2, rows, width, pg_timeout_s=20)
+
+
+def _large_activation_body(rank, world, name):
+    """Activations of 512 KiB (256 x 512 floats per micro-batch): header and
+    payload travel as two messages, the payload read in place."""
+    torch.manual_seed(0)
+    width, m = 512, 4
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256 * m, width, generator=g), torch.randn(256 * m, width, generator=g)
+    ref = nn.Sequential(*[copy.deepcopy(b) for b in blocks])
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    ref_grads = [[p.grad for p in b.parameters()] for b in ref]
+    mine = [rank, 3 - rank] if name == "zbv" else [2 * rank, 2 * rank + 1]
+    loss_fn = nn.functional.mse_loss
+    if name == "zbv":
+        stages = [pp.PipelineStage(blocks[s], s, 4) for s in mine]
+        sched = pp.ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+    else:
+        stage = pp.PipelineStage(nn.Sequential(blocks[mine[0]], blocks[mine[1]]), rank, 2)
+        sched = pp.Schedule1F1B(stage, m, loss_fn=loss_fn)
+    losses = []
+    last = 3 in mine
+    sched.step(*((x,) if 0 in mine else ()), target=y if last else None, losses=losses)
+    if last:
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), **TOL)
+    for s in mine:
+        for p, want in zip(blocks[s].parameters(), ref_grads[s]):
+            torch.testing.assert_close(p.grad, want, **TOL)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_large_activations_give_the_same_gradients(name):
+    run_ranks(_large_activation_body, 2, name)
 
 
 class _Failing(nn.Module):
