@@ -1,11 +1,11 @@
 // The pipeline runtime (see runtime.h).
 //
 // Transfers: a send is posted asynchronously and awaited at the end of the
-// step; a receive completes at its RECV action. gloo (which carries "dsp"'s
-// point-to-point traffic) moves a message only once both ends have posted
-// it, so a receive posted late stalls its sender's data until the receiving
-// rank gets there. Receives are therefore posted ahead wherever their shape
-// is known: a gradient as soon as its activation is sent, the next
+// step; a receive completes at its RECV action. gloo moves a message only
+// once both ends have posted it, and a message that "dsp" has the receiver
+// read in place is read only when the receiver waits or tests, so a receive
+// posted late can stall its sender's data until the receiving rank gets
+// there. Receives are therefore posted ahead wherever their shape is known: a gradient as soon as its activation is sent, the next
 // micro-batch's activation as soon as the previous one has arrived.
 //
 // An activation carries a header (shape, dtype), so that a stage whose output
