@@ -5,9 +5,9 @@
 // once both ends have posted it, and a message that "dsp" has the receiver
 // read in place is read only when the receiver waits or tests, so a receive
 // posted late can stall its sender's data until the receiving rank gets
-// there. Receives are therefore posted ahead wherever their shape is known: a gradient as
-// soon as its activation is sent, the next micro-batch's activation as soon as the
-// previous one has arrived.
+// there. Receives are therefore posted ahead wherever their shape is
+// known: a gradient as soon as its activation is sent, the next
+// micro-batch's activation as soon as the previous one has arrived.
 //
 // An activation carries a header (shape, dtype), so that a stage whose output
 // changes shape is caught on both ends. A stage's first activation sends its
