@@ -133,7 +133,8 @@ bool ShmP2P::singleCopy(int reader, int writer) const {
   return !readable_.empty() && readable_[static_cast<size_t>(reader) * size_ + writer];
 }
 
-std::string ShmP2P::readInPlace(int src, uint64_t remote, void* to, size_t bytes) const {
+std::string ShmP2P::readInPlace(int src, int64_t tag, uint64_t remote, void* to,
+                                size_t bytes) const {
   size_t done = 0;
   while (done < bytes) {
     iovec local{static_cast<char*>(to) + done, bytes - done};
@@ -142,7 +143,8 @@ std::string ShmP2P::readInPlace(int src, uint64_t remote, void* to, size_t bytes
     if (got <= 0) {
       const int err = got < 0 ? errno : EFAULT;
       return "dsp recv on rank " + std::to_string(rank_) + " from rank " +
-             std::to_string(src) + ": reading the message in place failed (" +
+             std::to_string(src) + " (" + tagText(tag) + ", " + std::to_string(bytes) +
+             " bytes): reading the message in place failed (" +
              (peer_alive_(src) ? std::string(std::strerror(err))
                                : std::string("the peer process has exited")) +
              ")";
@@ -333,7 +335,7 @@ void ShmP2P::drainLocked(int src) {
       if (r.bytes != h->bytes) {
         r.error = sizeMismatch(rank_, src, h->tag, h->bytes, r.bytes);
       } else if (h->remote) {
-        r.error = readInPlace(src, h->remote, r.data, h->bytes);
+        r.error = readInPlace(src, h->tag, h->remote, r.data, h->bytes);
       } else if (h->bytes) {
         std::memcpy(r.data, payload, h->bytes);
       }
@@ -343,7 +345,7 @@ void ShmP2P::drainLocked(int src) {
       // Read now all the same: the sender waits for it, and it may be
       // waiting on us in turn.
       Unexpected u{h->tag, std::vector<char>(h->bytes), ""};
-      u.error = readInPlace(src, h->remote, u.data.data(), h->bytes);
+      u.error = readInPlace(src, h->tag, h->remote, u.data.data(), h->bytes);
       unexpected_[src].push_back(std::move(u));
     } else {
       unexpected_[src].push_back(

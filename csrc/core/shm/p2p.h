@@ -12,7 +12,8 @@
 // Receives match messages by (source, tag) in the order they were posted,
 // as MPI and gloo do: a message that arrives before its receive is posted is
 // copied aside (the "unexpected" queue) to free the ring. Progress happens
-// in whichever thread tests or waits on a receive, or sends.
+// in whichever thread tests or waits on a receive or an in-place send, or
+// sends.
 //
 // Messages larger than maxMessageBytes() do not fit in a ring. Where the
 // receiver may read the sender's memory (process_vm_readv; see
@@ -56,7 +57,8 @@ class ShmP2P {
          std::function<bool(int)> peer_alive);
 
   size_t maxMessageBytes() const;
-  // Turns on in-place sends. `readable[reader * size + writer]`: whether
+  // Turns on in-place sends; call before any traffic (not thread-safe).
+  // `readable[reader * size + writer]`: whether
   // `reader` can read `writer`'s memory (the same table on every rank);
   // `pid_of(r)`: rank r's process id.
   void enableSingleCopy(std::vector<bool> readable, std::function<int(int)> pid_of);
@@ -129,7 +131,8 @@ class ShmP2P {
   void writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
                    const void* payload, size_t payload_bytes);
   // Reads `bytes` at `remote` in rank src's memory into `to`; "" or why not.
-  std::string readInPlace(int src, uint64_t remote, void* to, size_t bytes) const;
+  std::string readInPlace(int src, int64_t tag, uint64_t remote, void* to,
+                          size_t bytes) const;
   // Drops the buffers dst has read. Needs send_mutex_[dst].
   void releaseReadLocked(int dst);
   // Takes every message that has arrived from `src`, delivering each to the
