@@ -26,8 +26,8 @@ class ShmP2PWork : public c10d::Work {
  public:
   ShmP2PWork(c10::intrusive_ptr<ProcessGroupDSP> pg, dsp::ShmP2P* p2p, c10d::OpType type)
       : c10d::Work(pg->getRank(), type),
-        pg_(std::move(pg)),  // keeps the rings mapped while this is pending
-        p2p_(p2p) {}
+        p2p_(p2p),
+        pg_(std::move(pg)) {}  // keeps the rings mapped while this is pending
 
   bool isCompleted() override {
     if (!Work::isCompleted()) {
@@ -48,8 +48,9 @@ class ShmP2PWork : public c10d::Work {
         done(nullptr);
       } catch (...) {
         // A receive left posted would later be filled into memory that may
-        // be gone, and the peers are out of step: as for a collective, an
-        // expired bounded wait breaks the group.
+        // be gone, a send not yet read still stands announced, and the peers
+        // are out of step: as for a collective, an expired bounded wait
+        // breaks the group.
         if (bounded && !Work::isCompleted()) {
           pg_->breakGroup(std::string("dsp: a ") +
                           (retrieveOpType() == c10d::OpType::SEND ? "send" : "recv") +
