@@ -58,9 +58,8 @@ class ShmP2P {
 
   size_t maxMessageBytes() const;
   // Turns on in-place sends; call before any traffic (not thread-safe).
-  // `readable[reader * size + writer]`: whether
-  // `reader` can read `writer`'s memory (the same table on every rank);
-  // `pid_of(r)`: rank r's process id.
+  // `readable[reader * size + writer]`: whether `reader` can read `writer`'s
+  // memory (the same table on every rank); `pid_of(r)`: rank r's process id.
   void enableSingleCopy(std::vector<bool> readable, std::function<int(int)> pid_of);
   // Whether messages of any size may go from `writer` to `reader` (in place
   // above maxMessageBytes()).
