@@ -185,7 +185,7 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
     // fill the payload's receive, if it posted one, so that none stays
     // posted into memory that is gone.
     send(message, dst, tag(stage, mb, false, true))->wait();
-    if (alone) {
+    if (alone && known != shapes_.end()) {
       const int64_t bytes = payloadBytes(known->second.first, known->second.second);
       send(at::detail::empty_cpu({bytes}, at::kByte), dst, tag(stage, mb, false, false))
           ->wait();
