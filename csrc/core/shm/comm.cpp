@@ -1,7 +1,6 @@
 #include "comm.h"
 
 #include <signal.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -241,10 +240,8 @@ void ShmComm::probeSingleCopy() {
   uint64_t mine = 0;
   for (int r = 0; options_.p2p_single_copy && r < size_; ++r) {
     uint64_t got = 0;
-    iovec local{&got, sizeof got};
-    iovec remote{reinterpret_cast<void*>(control(r).probe.load()), sizeof got};
-    const ssize_t n = process_vm_readv(control(r).pid.load(), &local, 1, &remote, 1, 0);
-    if (n == static_cast<ssize_t>(sizeof got) &&
+    if (ShmP2P::readProcess(control(r).pid.load(), control(r).probe.load(), &got,
+                            sizeof got) == 0 &&
         got == kProbe + static_cast<uint64_t>(r)) {
       mine |= uint64_t{1} << r;
     }

@@ -133,25 +133,28 @@ bool ShmP2P::singleCopy(int reader, int writer) const {
   return !readable_.empty() && readable_[static_cast<size_t>(reader) * size_ + writer];
 }
 
-std::string ShmP2P::readInPlace(int src, int64_t tag, uint64_t remote, void* to,
-                                size_t bytes) const {
+int ShmP2P::readProcess(int pid, uint64_t from, void* to, size_t bytes) {
   size_t done = 0;
   while (done < bytes) {
     iovec local{static_cast<char*>(to) + done, bytes - done};
-    iovec from{reinterpret_cast<void*>(remote + done), bytes - done};
-    const ssize_t got = process_vm_readv(pid_of_(src), &local, 1, &from, 1, 0);
-    if (got <= 0) {
-      const int err = got < 0 ? errno : EFAULT;
-      return "dsp recv on rank " + std::to_string(rank_) + " from rank " +
-             std::to_string(src) + " (" + tagText(tag) + ", " + std::to_string(bytes) +
-             " bytes): reading the message in place failed (" +
-             (peer_alive_(src) ? std::string(std::strerror(err))
-                               : std::string("the peer process has exited")) +
-             ")";
-    }
+    iovec remote{reinterpret_cast<void*>(from + done), bytes - done};
+    const ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (got <= 0) return got < 0 ? errno : EFAULT;
     done += static_cast<size_t>(got);
   }
-  return "";
+  return 0;
+}
+
+std::string ShmP2P::readInPlace(int src, int64_t tag, uint64_t remote, void* to,
+                                size_t bytes) const {
+  const int err = readProcess(pid_of_(src), remote, to, bytes);
+  if (err == 0) return "";
+  return "dsp recv on rank " + std::to_string(rank_) + " from rank " +
+         std::to_string(src) + " (" + tagText(tag) + ", " + std::to_string(bytes) +
+         " bytes): reading the message in place failed (" +
+         (peer_alive_(src) ? std::string(std::strerror(err))
+                           : std::string("the peer process has exited")) +
+         ")";
 }
 
 void ShmP2P::setTimeout(std::chrono::milliseconds t) {

@@ -64,6 +64,9 @@ class ShmP2P {
   // Whether messages of any size may go from `writer` to `reader` (in place
   // above maxMessageBytes()).
   bool singleCopy(int reader, int writer) const;
+  // Copies `bytes` at address `from` in process `pid` into `to`
+  // (process_vm_readv): 0, or the errno that refused it.
+  static int readProcess(int pid, uint64_t from, void* to, size_t bytes);
   // Thread-safe; applies to the sends and receives that start after it.
   void setTimeout(std::chrono::milliseconds t);
   // Thread-safe: a send or receive waiting now (within a few ms) or later
