@@ -23,7 +23,9 @@ when DeepSpeed is installed (one host), its CPU shared-memory all-reduce
 DS_ACCELERATOR=cpu), with the ratios of our times to its. ``--dtype
 bfloat16`` (or ``float16``) times every engine in that dtype (MPI is float32
 only: mpi4py has no bf16 or fp16 reduction). ``--worlds 1`` gives the floor: a collective
-of one rank through the same torch path.
+of one rank through the same torch path. At 2 ranks and more that floor is also timed in
+the same processes, in turn with the others ("alone": ``dist.all_reduce`` over a "dsp"
+group of this rank alone), and the row gives what the peers add to it ("dsp-alone").
 
 ``--data fresh`` has every rank rewrite what it contributes (zeros, through
 a numpy view, the same fill on the MPI side) before each timed call, as a
@@ -276,6 +278,10 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
     # all_reduce only: our direct op, and DeepSpeed's when it is installed
     # (one host, its dtypes).
     extras = {"dsp-op": (None, "op")}
+    if n > 1 and nodes == 1:
+        # Every rank takes part in creating each group, its own among them.
+        alone = [dist.new_group([r], backend="dsp") for r in range(n)][rank]
+        extras["alone"] = (alone, "dist")
     ds_dtypes = ("float32", "bfloat16", "float16")  # what its op reduces
     if deepspeed and nodes == 1 and dtype in ds_dtypes and _deepspeed_op(n):
         extras["deepspeed"] = (None, "deepspeed")
@@ -288,7 +294,8 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
                 engines.update(extras)
             runs = {}
             for name, (group, engine) in engines.items():
-                run, check, mine = _make_op(coll, n, rank, size, group, dtype, engine)
+                ranks = (1, 0) if name == "alone" else (n, rank)
+                run, check, mine = _make_op(coll, *ranks, size, group, dtype, engine)
                 wrong = torch.tensor([check()])
                 dist.all_reduce(wrong, group=None)
                 row[name] = {"wrong": int(wrong.item())}
@@ -381,6 +388,10 @@ def _format_row(row):
     line = " | ".join(parts) + f" | {ratio:>7.1f}x"
     if "dsp-op" in row:
         line += f" | op {row['dsp-op']['us']:>8.1f} us {row['dsp-op']['wrong']}"
+    if "alone" in row:
+        alone = row["alone"]["us"]
+        more = row["dsp"]["us"] - alone
+        line += f" | alone {alone:>6.1f} us {row['alone']['wrong']} dsp-alone {more:>6.1f} us"
     if "deepspeed" in row:
         ds = row["deepspeed"]["us"]
         line += (
