@@ -59,6 +59,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from fresh import fresh  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 DEFAULT_SIZES = [
@@ -182,23 +183,6 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
     return run, check, mine
 
 
-def _fresh(run, mine):
-    """run() after rewriting `mine` (zeros) through a numpy view, the same
-    fill mpi_collectives.py times on the MPI side: each call then finds this
-    rank's contribution just written, as a training step's new values are."""
-    if mine is None:
-        return run
-    import torch
-
-    view = mine.view(torch.uint8).numpy()
-
-    def fresh_run():
-        view.fill(0)
-        run()
-
-    return fresh_run
-
-
 def _time(runs, size_bytes):
     """Seconds per call of each engine in ``runs`` (name -> run): the median
     over ROUNDS rounds of the slowest rank's mean. The engines take turns
@@ -299,7 +283,9 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
                 wrong = torch.tensor([check()])
                 dist.all_reduce(wrong, group=None)
                 row[name] = {"wrong": int(wrong.item())}
-                runs[name] = _fresh(run, mine) if data == "fresh" else run
+                if data == "fresh" and mine is not None:
+                    run = fresh(run, mine.view(torch.uint8).numpy())
+                runs[name] = run
             # gloo on its own: after a gloo call the shared-memory engines ran
             # up to 20x slower for a while on the 2-core machine (its threads
             # and sockets), which would spoil their ratios to each other.

@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+from fresh import fresh
 from mpi4py import MPI
 
 TIME_BUDGET_S = 0.45
@@ -108,19 +109,6 @@ def _case(comm, name, size):
     return run, check, mine
 
 
-def _fresh(run, mine):
-    """run() after rewriting `mine` (zeros), as collectives.py's _fresh does."""
-    if mine is None:
-        return run
-    view = mine.view(np.uint8)
-
-    def fresh_run():
-        view.fill(0)
-        run()
-
-    return fresh_run
-
-
 def main():
     comm = MPI.COMM_WORLD
     name, data, sizes = sys.argv[1], sys.argv[2], map(int, sys.argv[3:])
@@ -132,7 +120,7 @@ def main():
         wrong = comm.allreduce(check(), op=MPI.SUM)
         assert wrong == 0, f"MPI {name} gave {wrong} wrong elements at {size} bytes"
         if data == "fresh":
-            run = _fresh(run, mine)
+            run = fresh(run, mine)
         for _ in range(3 if size >= (16 << 20) else 20):
             run()
         comm.Barrier()
