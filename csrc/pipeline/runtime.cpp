@@ -78,11 +78,6 @@ int64_t payloadBytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
 // (benchmarks/results/p2p-single-copy-2026-12-03.txt).
 constexpr int64_t kPayloadAloneBytes = int64_t{512} << 10;
 
-// Whether a stage whose output has this shape sends its header alone.
-bool headerAlone(const std::pair<std::vector<int64_t>, at::ScalarType>& known) {
-  return payloadBytes(known.first, known.second) >= kPayloadAloneBytes;
-}
-
 // Between two compute actions an operator costs 5-15 us: three views of a
 // received message took 12 us there, against 1.5 us when repeated back to
 // back (the dispatcher's code has left the caches during the compute;
@@ -164,13 +159,16 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
                     " dims cannot be sent between stages");
   const int dst = rankOf(stage + 1);
   const auto known = shapes_.find(stage);
+  // What the receiver expects: the payload of the shape it knows (-1: none
+  // yet, the stage's first activation).
+  const int64_t expected = known == shapes_.end()
+                               ? -1
+                               : payloadBytes(known->second.first, known->second.second);
   // The stage's first activation: the receiver cannot know its size, so the
   // header goes alone and the data follows; so do large ones. Later small
   // ones travel as one message of the known size: header, then payload.
-  const bool alone = known == shapes_.end() || headerAlone(known->second);
-  const int64_t size =
-      alone ? kHeaderLen * 8
-            : kPayloadOffset + payloadBytes(known->second.first, known->second.second);
+  const bool alone = expected < 0 || expected >= kPayloadAloneBytes;
+  const int64_t size = alone ? kHeaderLen * 8 : kPayloadOffset + expected;
   at::Tensor message = at::detail::empty_cpu({size}, at::kByte);
   int64_t* h = reinterpret_cast<int64_t*>(message.data_ptr());
   std::fill(h, h + kHeaderLen, 0);
@@ -185,9 +183,9 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
     // fill the payload's receive, if it posted one, so that none stays
     // posted into memory that is gone.
     send(message, dst, tag(stage, mb, false, true))->wait();
-    if (alone && known != shapes_.end()) {
-      const int64_t bytes = payloadBytes(known->second.first, known->second.second);
-      send(at::detail::empty_cpu({bytes}, at::kByte), dst, tag(stage, mb, false, false))
+    if (alone && expected >= 0) {
+      send(at::detail::empty_cpu({expected}, at::kByte), dst,
+           tag(stage, mb, false, false))
           ->wait();
     }
     throw;
@@ -216,15 +214,15 @@ void Runtime::prefetchActivation(int stage, int mb) {
   if (shape == shapes_.end() || posted_.count(key)) return;
   const int src = rankOf(stage - 1);
   const auto& [sizes, dtype] = shape->second;
+  const int64_t bytes = payloadBytes(sizes, dtype);
   Posted p;
-  if (headerAlone(shape->second)) {
+  if (bytes >= kPayloadAloneBytes) {  // header, then the payload alone
     p.header = at::detail::empty_cpu({kHeaderLen * 8}, at::kByte);
     p.data = at::detail::empty_cpu(sizes, dtype);
     p.works.push_back(recv(p.header, src, tag(stage - 1, mb, false, true)));
     p.works.push_back(recv(p.data, src, tag(stage - 1, mb, false, false)));
   } else {
-    p.header =
-        at::detail::empty_cpu({kPayloadOffset + payloadBytes(sizes, dtype)}, at::kByte);
+    p.header = at::detail::empty_cpu({kPayloadOffset + bytes}, at::kByte);
     p.works.push_back(recv(p.header, src, tag(stage - 1, mb, false, true)));
   }
   posted_.emplace(key, std::move(p));
