@@ -7,9 +7,10 @@
 
 ``dsparallel.init_parallel`` lays the ranks out as (pp, dp, tp). Each rank
 builds only its pipeline stage's layers (two stages for interleaved_1f1b,
-zbv and dualpipev), split across its tensor-parallel group; the stage's
-data-parallel replicas are wrapped in our DDP; the stages run the 1F1B
-schedule (or --schedule gpipe, interleaved_1f1b, zb1p, zbv, dualpipev). With
+zbv and dualpipev; --stages-per-rank K for interleaved_1f1b and zb1p),
+split across its tensor-parallel group; the stage's data-parallel replicas
+are wrapped in our DDP; the stages run the 1F1B schedule (or --schedule
+gpipe, interleaved_1f1b, zb1p, zbv, dualpipev). With
 --moe-experts each block's MLP is a mixture of experts, split over
 --expert-parallel ranks of the data-parallel ones. The corpus is text this
 repository already holds (its README and the package's sources), read as
@@ -44,8 +45,10 @@ from dsparallel.pipeline import (
 )
 
 # --schedule: one stage per rank, except interleaved_1f1b (rank r builds
-# stages r and r + pp of a model cut into 2 pp stages) and zbv and dualpipev
-# (stages r and 2 pp - 1 - r: a V).
+# stages r, r + pp, ... of a model cut into K pp stages, K = --stages-per-rank,
+# 2 by default), zb1p with --stages-per-rank K > 1 (the same layout: zero
+# bubble over interleaved 1F1B) and zbv and dualpipev (stages r and 2 pp - 1
+# - r: a V).
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -203,6 +206,7 @@ def make_job(
     zero_stage: int = 0,
     schedule: str = "1f1b",
     expert_parallel: int = 1,
+    stages_per_rank: int | None = None,
 ) -> Job:
     """Lays out the ranks, builds this rank's stage, wraps it in DDP across
     its replicas and in the 1F1B schedule across the stages."""
@@ -215,11 +219,14 @@ def make_job(
             f"replicas x {micro_batches} micro-batches"
         )
     pp, r = state.pp_size, state.pp_rank
-    indices, num_stages = [r], pp
+    per_rank = stages_per_rank or (2 if schedule in V_SHAPED + ("interleaved_1f1b",) else 1)
+    if schedule in V_SHAPED and per_rank != 2:
+        raise SystemExit(f"--stages-per-rank {per_rank}: {schedule} runs 2 (a V)")
+    if per_rank > 1 and schedule not in V_SHAPED + ("interleaved_1f1b", "zb1p"):
+        raise SystemExit(f"--stages-per-rank {per_rank}: {schedule} runs 1")
+    indices, num_stages = [r + k * pp for k in range(per_rank)], per_rank * pp
     if schedule in V_SHAPED:
-        indices, num_stages = [r, 2 * pp - 1 - r], 2 * pp
-    elif schedule == "interleaved_1f1b":
-        indices, num_stages = [r, r + pp], 2 * pp
+        indices = [r, 2 * pp - 1 - r]
     stages = []
     for index in indices:
         module = build_stage(cfg, index, num_stages, group=state.tp_group, checkpoint=checkpoint)
@@ -321,6 +328,12 @@ def main() -> None:
         "zbv: two stages per rank in a V, split backward; dualpipev: DeepSeek's DualPipeV)",
     )
     p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        help="stages each pipeline rank holds, r, r + pp, ...: interleaved_1f1b (2 by "
+        "default) and zb1p (1 by default: ZB-H1; more: zero bubble over interleaved 1F1B)",
+    )
+    p.add_argument(
         "--zero-stage",
         type=int,
         default=0,
@@ -375,6 +388,7 @@ def main() -> None:
         zero_stage=args.zero_stage,
         schedule=args.schedule,
         expert_parallel=args.expert_parallel,
+        stages_per_rank=args.stages_per_rank,
     )
     state, module, opt = job.state, job.module, job.opt
     rank = dist.get_rank()

@@ -272,17 +272,15 @@ class ScheduleInterleavedZeroBubble(_PipelineSchedule):
     """Zero-bubble (Qi et al., ICLR 2024) with the backward split into I and
     W. With one stage per rank it is ZB-H1: 1F1B's order and activation
     bound, W's moved into the slots where 1F1B waits (a third of 1F1B's
-    bubble when F, I and W take equal time)."""
+    bubble when F, I and W take equal time). With several stages per rank
+    (rank r holds r, r + p, ...; the micro-batches a multiple of the ranks)
+    the same over interleaved 1F1B's order and bound: with equal F, I and W
+    nothing idles once the last rank has started."""
 
     _NAME = "zb1p"
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
-        if len(stages) != 1:
-            raise NotImplementedError(
-                f"ScheduleInterleavedZeroBubble: {len(stages)} stages per rank; only one stage "
-                "per rank (ZB-H1) is generated so far"
-            )
         super().__init__(stages, n_microbatches, loss_fn)
 
 

@@ -26,7 +26,8 @@ def get_schedule(
     """The per-rank action lists of a schedule, already validated.
 
     ``name`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb1p"``
-    (ZB-H1, with I and W actions: the backward split in two), ``"zbv"``
+    (zero bubble, with I and W actions: the backward split in two; ZB-H1
+    with one stage per rank, over interleaved 1F1B with more), ``"zbv"``
     (two stages per rank in a V, split backward) or ``"dualpipev"``
     (DeepSeek's DualPipe in a V). Stage ``s`` runs on rank
     ``s % (num_stages // stages_per_rank)``, or with ``schedule.placement ==

@@ -51,6 +51,39 @@ TEST(PipelineSchedule, ZeroBubbleH1MatchesThePaper) {
   EXPECT_EQ(validate(makeSchedule("1f1b", 2, 8), paper).makespan, 27);
 }
 
+// Interleaved (v stages per rank, rank r holding r, r + p, ...), each stage
+// F = I = W = 1 slot: every rank does 3vm slots of work and the last rank
+// can start only after the p - 1 forwards ahead of it, so 3vm + (p - 1) is
+// the least any schedule can take. Interleaved 1F1B idles (p - 1)(F + B) =
+// 3(p - 1) slots on top of its work; zero bubble over its order takes
+// exactly the lower bound (nothing idles once the last rank has started),
+// holding no more stage-activations than interleaved 1F1B does on rank 0,
+// 2(p - 1) + (v - 1)p + 1 (or all vm, when fewer).
+TEST(PipelineSchedule, ZeroBubbleInterleavedReachesTheLowerBound) {
+  const Costs paper{1, 2, 1, 1};
+  for (int v = 2; v <= 4; ++v) {
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = p; m <= 5 * p; m += p) {
+        const Schedule one = makeSchedule("interleaved_1f1b", v * p, m, v);
+        const ScheduleStats base = validate(one, paper);
+        EXPECT_EQ(base.makespan, 3 * v * m + 3 * (p - 1))
+            << "v=" << v << " p=" << p << " m=" << m;
+        const Schedule zb = makeSchedule("zb1p", v * p, m, v);
+        const ScheduleStats s = validate(zb, paper);
+        EXPECT_EQ(s.makespan, 3 * v * m + (p - 1))
+            << "v=" << v << " p=" << p << " m=" << m;
+        const int bound = std::min(2 * (p - 1) + (v - 1) * p + 1, v * m);
+        EXPECT_EQ(base.peak_in_flight[0], bound) << "v=" << v << " p=" << p << " m=" << m;
+        for (int r = 0; r < p; ++r) {
+          EXPECT_LE(s.peak_in_flight[r], bound) << "v=" << v << " p=" << p << " m=" << m;
+          for (const Action& a : zb.ranks[r]) EXPECT_EQ(a.stage % p, r);
+        }
+      }
+    }
+  }
+  EXPECT_THROW(makeSchedule("zb1p", 4, 3, 2), std::invalid_argument);  // m % p
+}
+
 // Per-stage costs: the same as one cost when all are equal; otherwise each
 // stage's own durations place the waits. GPipe, 2 stages, 2 micro-batches,
 // stage 1 twice as slow: rank 1 runs F [1,3) [3,5), B [5,7) [7,9); rank 0

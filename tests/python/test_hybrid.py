@@ -84,6 +84,10 @@ def _run_job(tmp_path, name, *args):
         ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "dualpipev"),
         ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "dualpipev"),
         ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "interleaved_1f1b"),
+        ("--tensor-parallel", "2", "--pipeline-parallel", "2", "--schedule", "zb1p")
+        + ("--stages-per-rank", "2"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "zb1p")
+        + ("--stages-per-rank", "2"),
     ],
     ids=[
         "tp2-pp2",
@@ -95,6 +99,8 @@ def _run_job(tmp_path, name, *args):
         "tp2-pp2-dualpipev",
         "pp2-dp2-dualpipev",
         "tp2-pp2-interleaved",
+        "tp2-pp2-zb1p-interleaved",
+        "pp2-dp2-zb1p-interleaved",
     ],
 )
 def test_gpt_layouts_match_one_process(tmp_path, reference, layout):

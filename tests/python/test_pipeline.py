@@ -39,6 +39,8 @@ def test_get_schedule_from_python():
         pp.get_schedule("interleaved_1f1b", 4, 3, stages_per_rank=2)
     with pytest.raises(ValueError, match="unknown"):
         pp.get_schedule("zero_bubble", 2, 2)
+    with pytest.raises(ValueError, match=r"zb1p with 2 stages per rank .*\(3\).*\(2\)"):
+        pp.get_schedule("zb1p", 4, 3, stages_per_rank=2)
     broken = pp.Schedule(2, 1, [["0F0", "0B0", "0SEND_F0"], ["1RECV_F0", "1F0", "1B0"]])
     with pytest.raises(ValueError, match="not matched"):
         broken.validate()
@@ -118,6 +120,9 @@ CASES = [
     ("zb1p", 2, 2, 8),
     ("zb1p", 4, 4, 4),
     ("zb1p", 4, 4, 8),
+    ("zb1p", 2, 4, 2),  # two stages per rank: zero bubble over interleaved 1F1B
+    ("zb1p", 2, 4, 8),
+    ("zb1p", 2, 6, 4),  # three per rank
     ("zbv", 2, 4, 2),
     ("zbv", 2, 4, 4),
     ("zbv", 2, 4, 8),
@@ -134,10 +139,12 @@ def test_gradients_equal_unsplit_model(name, world, n_stages, m):
     run_ranks(_pipeline_body, world, name, n_stages, m, False, 1)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"])
-def test_checkpointing_gives_the_same_gradients(name):
-    two_per_rank = name.startswith("inter") or name in ("zbv", "dualpipev")
-    run_ranks(_pipeline_body, 2, name, 4 if two_per_rank else 2, 4, True, 1)
+@pytest.mark.parametrize(
+    "name,n_stages",
+    [("1f1b", 2), ("interleaved_1f1b", 4), ("zb1p", 2), ("zb1p", 4), ("zbv", 4), ("dualpipev", 4)],
+)
+def test_checkpointing_gives_the_same_gradients(name, n_stages):
+    run_ranks(_pipeline_body, 2, name, n_stages, 4, True, 1)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])

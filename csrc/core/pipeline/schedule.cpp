@@ -121,58 +121,81 @@ Orders interleaved(int p, int v, int m) {
   return out;
 }
 
-// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B
-// with the backward split into I and W. Each rank keeps 1F1B's order of F
-// and I (B becomes I) and puts a W, oldest first, into every slot where
-// that order's next action is not ready yet, which is where 1F1B waits; a W
-// also comes first when an F would otherwise hold more than p micro-batches
-// (F until W), 1F1B's peak. Later stages, whose 1F1B order waits most in the
-// cool-down, postpone their W's most. The order is found by list
-// scheduling in unit time (F = I = W = 1); its bubble is then (p - 1)(F + I
-// - W) = p - 1 slots, against 1F1B's (p - 1)(F + B) = 3(p - 1) with B = I +
-// W (GoogleTest checks both, to the slot).
-Orders zeroBubbleH1(int p, int m) {
-  Orders main = oneFOneB(p, m), out(p);
+// Zero bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
+// from a 1F1B-style order `main` of F and B (stage s on rank s % ranks):
+// each rank keeps that order of F and I (B becomes I) and puts a W, oldest
+// I first, into every slot where the order's next action is not ready yet,
+// which is where the plain order waits; a W also comes first when an F would
+// otherwise hold more than `bound` micro-batch-stages (F until W), the
+// order's peak on rank 0. Later ranks, whose order waits most in the
+// cool-down, postpone their W's most. The order is found by list scheduling
+// in unit time (F = I = W = 1).
+Orders zeroBubble(const Orders& main, int stages, int m, int bound) {
+  const int p = static_cast<int>(main.size());
+  Orders out(p);
   constexpr int kNever = -1;
-  std::vector<std::vector<int>> fEnd(p, std::vector<int>(m, kNever));
-  std::vector<std::vector<int>> iEnd(p, std::vector<int>(m, kNever));
+  std::vector<std::vector<int>> fEnd(stages, std::vector<int>(m, kNever));
+  std::vector<std::vector<int>> iEnd(stages, std::vector<int>(m, kNever));
   std::vector<size_t> next(p, 0);
-  std::vector<int> nextF(p, 0), nextI(p, 0), nextW(p, 0);
+  std::vector<int> forwards(p, 0), weights(p, 0);
+  std::vector<std::deque<Action>> owed(p);  // W's, oldest I first
   auto doneBy = [](int end, int t) { return end != kNever && end <= t; };
+  size_t actions = 0;
+  for (const auto& o : main) actions += o.size();
   for (int t = 0;; ++t) {
+    // Some rank runs an action in every slot of an order that is not stuck,
+    // and there are 1.5 x actions of them: past 2 x actions slots it is.
+    if (static_cast<size_t>(t) > 2 * actions + 2)
+      fail("zero-bubble order did not converge");
     bool all = true;
     for (int r = 0; r < p; ++r) {
-      if (nextW[r] == m) continue;
+      if (next[r] == main[r].size() && owed[r].empty()) continue;
       all = false;
       bool ready = false, forced = false;
       if (next[r] < main[r].size()) {
         const Action& a = main[r][next[r]];
         if (a.type == ActionType::kForward) {
-          ready = r == 0 || doneBy(fEnd[r - 1][a.microbatch], t);
-          forced = nextF[r] - nextW[r] >= p;  // a W first, to stay within p
+          ready = a.stage == 0 || doneBy(fEnd[a.stage - 1][a.microbatch], t);
+          forced = forwards[r] - weights[r] >= bound;  // a W first, to stay within it
         } else {
-          ready = doneBy(fEnd[r][a.microbatch], t) &&
-                  (r == p - 1 || doneBy(iEnd[r + 1][a.microbatch], t));
+          ready = doneBy(fEnd[a.stage][a.microbatch], t) &&
+                  (a.stage == stages - 1 || doneBy(iEnd[a.stage + 1][a.microbatch], t));
         }
       }
       if (ready && !forced) {
         const Action& a = main[r][next[r]++];
         if (a.type == ActionType::kForward) {
           out[r].push_back(a);
-          fEnd[r][a.microbatch] = t + 1;
-          ++nextF[r];
+          fEnd[a.stage][a.microbatch] = t + 1;
+          ++forwards[r];
         } else {
-          out[r].push_back({ActionType::kInput, r, a.microbatch});
-          iEnd[r][a.microbatch] = t + 1;
-          ++nextI[r];
+          out[r].push_back({ActionType::kInput, a.stage, a.microbatch});
+          iEnd[a.stage][a.microbatch] = t + 1;
+          owed[r].push_back({ActionType::kWeight, a.stage, a.microbatch});
         }
-      } else if (nextW[r] < nextI[r]) {
-        out[r].push_back({ActionType::kWeight, r, nextW[r]++});
+      } else if (!owed[r].empty()) {
+        out[r].push_back(owed[r].front());
+        owed[r].pop_front();
+        ++weights[r];
       }
     }
     if (all) break;
   }
   return out;
+}
+
+// ZB-H1: zero bubble over 1F1B, within 1F1B's peak of p micro-batches. Its
+// bubble is then (p - 1)(F + I - W) = p - 1 slots, against 1F1B's (p - 1)(F
+// + B) = 3(p - 1) with B = I + W (GoogleTest checks both, to the slot).
+Orders zeroBubbleH1(int p, int m) { return zeroBubble(oneFOneB(p, m), p, m, p); }
+
+// Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble with
+// several stages per rank): zero bubble over interleaved 1F1B, within that
+// order's peak on rank 0, 2(p - 1) + (v - 1)p + 1 stage-activations (all vm
+// when there are fewer).
+Orders zeroBubbleInterleaved(int p, int v, int m) {
+  const int bound = std::min(2 * (p - 1) + (v - 1) * p + 1, v * m);
+  return zeroBubble(interleaved(p, v, m), p * v, m, bound);
 }
 
 // ZBV (the zero-bubble paper, section 6; the order of torch's
@@ -355,7 +378,7 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
   }
   const int p = num_stages / stages_per_rank;
   const int m = num_microbatches;
-  if (name == "gpipe" || name == "1f1b" || name == "zb1p") {
+  if (name == "gpipe" || name == "1f1b" || (name == "zb1p" && stages_per_rank == 1)) {
     if (stages_per_rank != 1) {
       fail(name + " runs one stage per rank; got " + num(stages_per_rank) +
            " (use interleaved_1f1b)");
@@ -365,12 +388,16 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
                                            : zeroBubbleH1(p, m);
     return withTransfers(orders, num_stages, m);
   }
-  if (name == "interleaved_1f1b") {
+  if (name == "interleaved_1f1b" || name == "zb1p") {
     if (m % p != 0) {
-      fail("interleaved_1f1b needs the micro-batches (" + num(m) +
+      fail(name + " with " + num(stages_per_rank) +
+           " stages per rank needs the micro-batches (" + num(m) +
            ") to be a multiple of the ranks (" + num(p) + ")");
     }
-    return withTransfers(interleaved(p, stages_per_rank, m), num_stages, m);
+    const int v = stages_per_rank;
+    return withTransfers(
+        name == "zb1p" ? zeroBubbleInterleaved(p, v, m) : interleaved(p, v, m),
+        num_stages, m);
   }
   if (name == "zbv") {
     if (stages_per_rank != 2) {

@@ -62,12 +62,13 @@ struct Schedule {
 
 int rankOfStage(int stage, int num_ranks, Placement placement = Placement::kLoop);
 
-// Names: "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv". num_stages must
-// be a multiple of stages_per_rank; GPipe, 1F1B and ZB-H1 ("zb1p", the
-// zero-bubble paper's 1F1B with split backward) take one stage per rank;
-// interleaved 1F1B needs the micro-batches to be a multiple of the ranks;
-// ZBV (the paper's V-shaped zero-bubble schedule) takes two stages per rank,
-// placed in a V.
+// Names: "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev".
+// num_stages must be a multiple of stages_per_rank; GPipe and 1F1B take one
+// stage per rank; "zb1p" (the zero-bubble paper's split backward) is ZB-H1
+// over 1F1B with one stage per rank and the same over interleaved 1F1B
+// with more; interleaved schedules need the micro-batches to be a multiple
+// of the ranks; ZBV (the paper's V-shaped zero-bubble schedule) and
+// DualPipeV take two stages per rank, placed in a V.
 // Throws std::invalid_argument naming the numbers otherwise.
 Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatches,
                       int stages_per_rank = 1);
