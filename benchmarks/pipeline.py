@@ -4,10 +4,13 @@ against torch.distributed.pipelining on the same model and backend, in one run.
     python benchmarks/pipeline.py [--ranks 2] [--micro-batches 8] [--steps 20] [--timeline t.png]
 
 ``--ranks`` processes (an MLP of two blocks per rank: one stage of two
-blocks per rank, or for the V-shaped schedules two stages of one block,
-rank r holding stages r and 2 x ranks - 1 - r). For GPipe, 1F1B,
-zero-bubble ZB-H1 (torch's ScheduleInterleavedZeroBubble with one stage
-per rank, ours "zb1p"), ZBV and DualPipeV under both libraries it reports
+blocks per rank, or two stages of one block: for the V-shaped schedules rank
+r holds stages r and 2 x ranks - 1 - r, for the interleaved ones r and r +
+ranks). For GPipe, 1F1B, zero-bubble ZB-H1 (torch's
+ScheduleInterleavedZeroBubble with one stage per rank, ours "zb1p"),
+interleaved 1F1B ("int1f1b") and interleaved zero bubble ("intzb1p": the
+same two classes with two stages per rank), ZBV and DualPipeV under both
+libraries it reports
 the median step time (slowest rank; the six configurations timed in
 interleaved rounds), the measured bubble of our runs (from per-action
 times: 1 - busy / (ranks x span); the median over the timed steps, with its
@@ -23,7 +26,8 @@ times what one micro-batch adds to a stage, plus what is saved once: the
 weights and the batch's storage). For the split schedules it says which
 share of the backward time was W (deferred) and which parameters, if any,
 had their gradient computed inside I. The last lines set each split
-schedule's measured step time against our 1F1B's next to the planned ratio.
+schedule's measured step time against our 1F1B's (intzb1p's against our
+int1f1b's) next to the planned ratio.
 """
 
 from __future__ import annotations
@@ -43,10 +47,14 @@ SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "zb1p": "ScheduleInterleavedZeroBubble",
+    "int1f1b": "ScheduleInterleaved1F1B",
+    "intzb1p": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
 V_SHAPED = ("zbv", "dualpipev")
+LOOPED = {"int1f1b": "interleaved_1f1b", "intzb1p": "zb1p"}  # two stages per rank: r, r + ranks
+SPLIT = ("zb1p", "intzb1p", "zbv", "dualpipev")  # the backward split into I and W
 
 
 def _durations_by(entries, key) -> dict:
@@ -140,10 +148,10 @@ def _worker(rank, world, args):
     configs = {}
     for lib in ("torch", "dsparallel"):
         for name in SCHEDULES:
-            v = name in V_SHAPED
-            n_stages = 2 * world if v else world
-            indices = [rank, 2 * world - 1 - rank] if v else [rank]
-            blocks = args.blocks_per_stage // 2 if v else args.blocks_per_stage
+            v, two = name in V_SHAPED, name in V_SHAPED or name in LOOPED
+            n_stages = 2 * world if two else world
+            indices = [rank, 2 * world - 1 - rank] if v else [rank, rank + world] if two else [rank]
+            blocks = args.blocks_per_stage // 2 if two else args.blocks_per_stage
             modules = [_stage_module(i, width, blocks) for i in indices]
             if lib == "torch":
                 stages = [
@@ -217,11 +225,11 @@ def _worker(rank, world, args):
             row["transfers_us"] = _median_durations(
                 m for t in moves for rank_moves in t for m in rank_moves
             )
-            v = name in V_SHAPED
-            n_stages = 2 * world if v else world
+            two = name in V_SHAPED or name in LOOPED
+            n_stages = 2 * world if two else world
             entries = [e for t in steps for rank_trace in t for e in rank_trace]
             costs = _mean_costs(entries, n_stages)
-            plan = pp.get_schedule(name, n_stages, m, 2 if v else 1)
+            plan = pp.get_schedule(LOOPED.get(name, name), n_stages, m, 2 if two else 1)
             plan = plan.validate(costs=costs)
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
@@ -254,7 +262,8 @@ def main():
     args = ap.parse_args()
     rows = run_ranks(_worker, args.ranks, args)
     print(
-        f"{args.ranks} ranks ({args.ranks} stages, {2 * args.ranks} for zbv and dualpipev), "
+        f"{args.ranks} ranks ({args.ranks} stages; {2 * args.ranks} for int1f1b and intzb1p, "
+        f"stages r and r + {args.ranks} on rank r, and for zbv and dualpipev, in a V), "
         f"{args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}"
         f", width {args.width}, median of {args.steps} steps per configuration in "
         f"{ROUNDS} interleaved rounds; memory: first stage"
@@ -304,7 +313,7 @@ def main():
         )
         busy = r["step_s"] * (1 - r["bubble_measured"]) * 1e3
         print(f"our {name} mean us per action: {per_stage}; busy {busy:.1f} ms per rank")
-    for name in ("zb1p", "zbv", "dualpipev"):
+    for name in SPLIT:
         split = ours[name]["split"]
         share = sum(e["weight_s"] for e in split.values()) / sum(
             e["backward_s"] + e["weight_s"] for e in split.values()
@@ -316,11 +325,12 @@ def main():
             f"per stage {per_stage})"
             f"; computed inside I, not deferred: {', '.join(kept) or 'nothing'}"
         )
-    for name in ("zb1p", "zbv", "dualpipev"):
+    for name in SPLIT:
+        base = "int1f1b" if name in LOOPED else "1f1b"
         print(
-            f"our {name} / our 1f1b step time: "
-            f"{ours[name]['step_s'] / ours['1f1b']['step_s']:.3f} measured, "
-            f"{ours[name]['planned_makespan'] / ours['1f1b']['planned_makespan']:.3f} planned "
+            f"our {name} / our {base} step time: "
+            f"{ours[name]['step_s'] / ours[base]['step_s']:.3f} measured, "
+            f"{ours[name]['planned_makespan'] / ours[base]['planned_makespan']:.3f} planned "
             "(from each schedule's measured per-stage F, B, I, W)"
         )
     if args.timeline:

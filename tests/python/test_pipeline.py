@@ -166,6 +166,63 @@ def test_zbv_order_equals_torchs(p, m):
         assert ours == theirs, (r, ours, theirs)
 
 
+def _with_transfers(orders, n_stages, p):
+    """Compute orders (per rank, printed actions; stage s on rank s % p) with
+    a receive before and a send after each action whose data crosses ranks."""
+    out = []
+    for r, order in enumerate(orders):
+        actions = []
+        for text in order:
+            a = pp.Action.parse(text)
+            s, mb = a.stage, a.microbatch
+            before = after = None
+            if a.kind == "F":
+                before = s > 0 and (s - 1) % p != r and f"{s}RECV_F{mb}"
+                after = s < n_stages - 1 and (s + 1) % p != r and f"{s}SEND_F{mb}"
+            elif a.kind in ("B", "I"):
+                before = s < n_stages - 1 and (s + 1) % p != r and f"{s}RECV_B{mb}"
+                after = s > 0 and (s - 1) % p != r and f"{s}SEND_B{mb}"
+            actions += [x for x in (before, text, after) if x]
+        out.append(actions)
+    return out
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_interleaved_zero_bubble_against_torchs(p, v, rounds):
+    """Our zb1p with v stages per rank against torch's
+    ScheduleInterleavedZeroBubble order, both simulated by our validator with
+    the paper's unit costs (F = I = W = 1): the same makespan, the 3vm + (p -
+    1) lower bound, and no more activations in flight on any rank."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    m, n_stages = rounds * p, v * p
+    me = SimpleNamespace(
+        n_local_stages=v,
+        pp_group_size=p,
+        _n_microbatches=m,
+        number_of_rounds=rounds,
+        microbatches_per_round=p,
+    )
+    theirs = [
+        [
+            str(a)
+            for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(me, r)
+            if a
+        ]
+        for r in range(p)
+    ]
+    costs = [(1, 2, 1, 1)] * n_stages
+    torch_stats = pp.Schedule(n_stages, m, _with_transfers(theirs, n_stages, p)).validate(
+        costs=costs
+    )
+    ours = pp.get_schedule("zb1p", n_stages, m, stages_per_rank=v).validate(costs=costs)
+    assert ours.makespan == torch_stats.makespan == 3 * v * m + p - 1
+    assert all(a <= b for a, b in zip(ours.peak_in_flight, torch_stats.peak_in_flight))
+
+
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("m", [8, 9, 16])
 def test_dualpipev_order_equals_torchs(p, m):

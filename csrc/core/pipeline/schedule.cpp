@@ -95,8 +95,11 @@ Orders oneFOneB(int p, int m) {
 
 // Interleaved 1F1B (Megatron-LM): rank r holds stages r, r + p, ..., r +
 // (v-1)p. Forwards walk the rank's stages in groups of p micro-batches;
-// backwards walk them in reverse. A longer warm-up fills the deeper pipe.
-Orders interleaved(int p, int v, int m) {
+// backwards walk them in reverse. A longer warm-up fills the deeper pipe:
+// (v - 1)p forwards, and `hop` more per rank after r (2: a whole backward
+// comes back through each; 1 when it splits and only I does, as in torch's
+// interleaved zero bubble).
+Orders interleaved(int p, int v, int m, int hop = 2) {
   Orders out(p);
   const int total = m * v;
   auto mbOf = [&](int k) { return (k / (p * v)) * p + k % p; };
@@ -109,7 +112,7 @@ Orders interleaved(int p, int v, int m) {
       const int chunk = v - 1 - (k / p) % v;
       return Action{ActionType::kBackward, chunk * p + r, mbOf(k)};
     };
-    const int warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    const int warmup = std::min((p - r - 1) * hop + (v - 1) * p, total);
     auto& o = out[r];
     for (int k = 0; k < warmup; ++k) o.push_back(fwd(k));
     for (int i = 0; i < total - warmup; ++i) {
@@ -184,18 +187,17 @@ Orders zeroBubble(const Orders& main, int stages, int m, int bound) {
   return out;
 }
 
-// ZB-H1: zero bubble over 1F1B, within 1F1B's peak of p micro-batches. Its
-// bubble is then (p - 1)(F + I - W) = p - 1 slots, against 1F1B's (p - 1)(F
-// + B) = 3(p - 1) with B = I + W (GoogleTest checks both, to the slot).
-Orders zeroBubbleH1(int p, int m) { return zeroBubble(oneFOneB(p, m), p, m, p); }
-
-// Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble with
-// several stages per rank): zero bubble over interleaved 1F1B, within that
-// order's peak on rank 0, 2(p - 1) + (v - 1)p + 1 stage-activations (all vm
-// when there are fewer).
+// "zb1p", torch's ScheduleInterleavedZeroBubble: zero bubble over
+// interleaved 1F1B's order with the warm-up one forward per rank after r
+// (the I that comes back is half a backward), within that order's peak on
+// rank 0, vp stage-activations (vm when fewer; interleaved 1F1B holds 2(p -
+// 1) + (v - 1)p + 1). With one stage per rank that order is 1F1B's and this
+// is ZB-H1, whose bubble is (p - 1)(F + I - W) = p - 1 slots against 1F1B's
+// (p - 1)(F + B) = 3(p - 1) with B = I + W; with v stages per rank it takes
+// 3vm + (p - 1) slots, the least possible (GoogleTest checks both, to the
+// slot).
 Orders zeroBubbleInterleaved(int p, int v, int m) {
-  const int bound = std::min(2 * (p - 1) + (v - 1) * p + 1, v * m);
-  return zeroBubble(interleaved(p, v, m), p * v, m, bound);
+  return zeroBubble(interleaved(p, v, m, 1), p * v, m, std::min(v * p, v * m));
 }
 
 // ZBV (the zero-bubble paper, section 6; the order of torch's
@@ -378,15 +380,15 @@ Schedule makeSchedule(const std::string& name, int num_stages, int num_microbatc
   }
   const int p = num_stages / stages_per_rank;
   const int m = num_microbatches;
-  if (name == "gpipe" || name == "1f1b" || (name == "zb1p" && stages_per_rank == 1)) {
+  if (name == "gpipe" || name == "1f1b") {
     if (stages_per_rank != 1) {
       fail(name + " runs one stage per rank; got " + num(stages_per_rank) +
            " (use interleaved_1f1b)");
     }
-    const Orders orders = name == "gpipe"  ? gpipe(p, m)
-                          : name == "1f1b" ? oneFOneB(p, m)
-                                           : zeroBubbleH1(p, m);
-    return withTransfers(orders, num_stages, m);
+    return withTransfers(name == "gpipe" ? gpipe(p, m) : oneFOneB(p, m), num_stages, m);
+  }
+  if (name == "zb1p" && stages_per_rank == 1) {
+    return withTransfers(zeroBubbleInterleaved(p, 1, m), num_stages, m);
   }
   if (name == "interleaved_1f1b" || name == "zb1p") {
     if (m % p != 0) {
