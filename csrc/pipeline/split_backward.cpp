@@ -143,25 +143,30 @@ class SplitLinear : public torch::autograd::Function<SplitLinear> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w, const std::optional<at::Tensor>& b) {
-    // The bias's value is not needed for the backward, only which tensor
-    // takes its gradient: held by reference, not saved (saved-tensor hooks
-    // and activation-memory accounting see what F.linear itself saves).
-    const bool bias = b.has_value() && b->defined();
-    if (bias) ctx->saved_data["bias"] = *b;
-    ctx->save_for_backward({x, w});
+    // Saved as F.linear saves them, so that saved-tensor hooks (offloading,
+    // activation-memory accounting) see the same: x only for the weight's
+    // gradient, w's value only for the input's (a first stage's input needs
+    // none: its weight is not saved, and an offloading hook does not copy
+    // it for every micro-batch). Which tensors take the weight and bias
+    // gradients is held by reference, not saved.
+    ctx->saved_data["weight"] = w;
+    if (b.has_value() && b->defined()) ctx->saved_data["bias"] = *b;
+    ctx->save_for_backward(
+        {w.requires_grad() ? x : at::Tensor(), x.requires_grad() ? w : at::Tensor()});
     at::AutoDispatchBelowADInplaceOrView below;
     return at::linear(x, w, b);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1];
+    const at::Tensor& x = saved[0];  // defined when the weight needs a gradient
+    const at::Tensor w = ctx->saved_data["weight"].toTensor();
     const auto held = ctx->saved_data.find("bias");
     const at::Tensor b =
         held != ctx->saved_data.end() ? held->second.toTensor() : at::Tensor();
     const at::Tensor& dy = grads[0];
     at::Tensor dx;
-    if (ctx->needs_input_grad(0)) dx = at::matmul(dy, w);
+    if (ctx->needs_input_grad(0)) dx = at::matmul(dy, saved[1]);
     const bool needW = ctx->needs_input_grad(1);
     const bool needB = b.defined() && ctx->needs_input_grad(2);
     if (!needW && !needB) return {dx, at::Tensor(), at::Tensor()};

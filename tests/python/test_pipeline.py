@@ -334,6 +334,37 @@ def test_split_linear_passes_opcheck():
     )
 
 
+def test_split_linear_saves_what_linear_saves():
+    """Saved-tensor hooks see from split_linear what they see from F.linear:
+    the input only for the weight's gradient, the weight only for the
+    input's. A first stage's input needs no gradient, so its weight is not
+    saved (an offloading hook would otherwise copy it per micro-batch), and
+    the gradients are still right."""
+
+    def saved_by(fn, x, w, b):
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            out = fn(x, w, b)
+        return out, {t.untyped_storage().data_ptr() for t in seen}
+
+    torch.manual_seed(0)
+    w, b = torch.randn(3, 5, requires_grad=True), torch.randn(3, requires_grad=True)
+    for x in (torch.randn(4, 5), torch.randn(4, 5, requires_grad=True)):
+        ours, ours_saved = saved_by(torch.ops.dsparallel.split_linear, x, w, b)
+        _, theirs_saved = saved_by(nn.functional.linear, x, w, b)
+        assert ours_saved == theirs_saved
+        assert (w.untyped_storage().data_ptr() in ours_saved) == x.requires_grad
+        ours.square().sum().backward()
+        got = [t.grad.clone() for t in (w, b, x) if t.grad is not None]
+        for t in (w, b, x):
+            t.grad = None
+        nn.functional.linear(x, w, b).square().sum().backward()
+        for g, t in zip(got, [t for t in (w, b, x) if t.grad is not None]):
+            torch.testing.assert_close(g, t.grad)
+        for t in (w, b, x):
+            t.grad = None
+
+
 def _step_two_stages(sched, rank, x, y):
     """One step of a 2-stage pipeline: rank 0 feeds x, rank 1 scores against y."""
     if rank == 0:
