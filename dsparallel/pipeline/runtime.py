@@ -274,8 +274,9 @@ class ScheduleInterleavedZeroBubble(_PipelineSchedule):
     bound, W's moved into the slots where 1F1B waits (a third of 1F1B's
     bubble when F, I and W take equal time). With several stages per rank
     (rank r holds r, r + p, ...; the micro-batches a multiple of the ranks)
-    the same over interleaved 1F1B's order and bound: with equal F, I and W
-    nothing idles once the last rank has started."""
+    the same over interleaved 1F1B's order with a shorter warm-up, holding
+    at most p stage-activations per stage of the rank, as torch's does: with
+    equal F, I and W nothing idles once the last rank has started."""
 
     _NAME = "zb1p"
 
