@@ -275,8 +275,8 @@ class ScheduleInterleavedZeroBubble(_PipelineSchedule):
     bubble when F, I and W take equal time). With several stages per rank
     (rank r holds r, r + p, ...; the micro-batches a multiple of the ranks)
     the same over interleaved 1F1B's order with a shorter warm-up, holding
-    at most p stage-activations per stage of the rank, as torch's does: with
-    equal F, I and W nothing idles once the last rank has started."""
+    at most v x p stage-activations on a rank of v stages, as torch's order
+    does: with equal F, I and W nothing idles once the last rank has started."""
 
     _NAME = "zb1p"
 
