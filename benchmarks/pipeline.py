@@ -53,7 +53,7 @@ SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",
 }
 V_SHAPED = ("zbv", "dualpipev")
-LOOPED = {"int1f1b": "interleaved_1f1b", "intzb1p": "zb1p"}  # two stages per rank: r, r + ranks
+LOOPED = ("int1f1b", "intzb1p")  # two stages per rank: r, r + ranks
 SPLIT = ("zb1p", "intzb1p", "zbv", "dualpipev")  # the backward split into I and W
 
 
@@ -225,12 +225,9 @@ def _worker(rank, world, args):
             row["transfers_us"] = _median_durations(
                 m for t in moves for rank_moves in t for m in rank_moves
             )
-            two = name in V_SHAPED or name in LOOPED
-            n_stages = 2 * world if two else world
             entries = [e for t in steps for rank_trace in t for e in rank_trace]
-            costs = _mean_costs(entries, n_stages)
-            plan = pp.get_schedule(LOOPED.get(name, name), n_stages, m, 2 if two else 1)
-            plan = plan.validate(costs=costs)
+            costs = _mean_costs(entries, sched.num_stages)
+            plan = sched.plan.validate(costs=costs)  # the plan the schedule runs
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
             row["costs"] = costs
