@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
+
 #include "process_group_dsp.h"
 #include "tensor_adapt.h"
 
@@ -165,6 +167,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::send(std::vector<at::Tensor>& te
   // the contiguous copy until sent).
   std::vector<at::Tensor> contiguous = {t.contiguous()};
   return p2p_->send(contiguous, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::sendWithHead(const at::Tensor& head,
+                                                             const at::Tensor& payload,
+                                                             int dst_rank, int tag) {
+  TORCH_CHECK_VALUE(
+      head.is_cpu() && payload.is_cpu() && !head.is_sparse() && !payload.is_sparse(),
+      "dsp send: a head and payload go together from host memory only, got ",
+      head.device(), " and ", payload.device());
+  const at::Tensor h = head.contiguous(), p = payload.contiguous();
+  const size_t bytes = h.nbytes() + p.nbytes();
+  dsp::ShmP2P* rings = multiHost() ? nullptr : &comm_->p2p();
+  if (rings != nullptr && bytes <= rings->maxMessageBytes()) {
+    rings->send(dst_rank, tag, h.data_ptr(), h.nbytes(), p.data_ptr(), p.nbytes());
+    return c10::make_intrusive<ShmSendWork>(getRank());
+  }
+  // Any other route takes one buffer: put them together.
+  at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+  std::memcpy(message.data_ptr(), h.data_ptr(), h.nbytes());
+  std::memcpy(static_cast<char*>(message.data_ptr()) + h.nbytes(), p.data_ptr(),
+              p.nbytes());
+  std::vector<at::Tensor> tensors = {message};
+  return send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupDSP::recv(std::vector<at::Tensor>& tensors,

@@ -178,6 +178,13 @@ class ProcessGroupDSP : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override;
+  // As send() of one byte tensor holding `head`'s bytes, then `payload`'s
+  // (host tensors; a receiver posts one buffer of their total size). Through
+  // the rings the two go in without a copy that puts them together first:
+  // the pipeline's activations, a header before a stage's output.
+  c10::intrusive_ptr<c10d::Work> sendWithHead(const at::Tensor& head,
+                                              const at::Tensor& payload, int dst_rank,
+                                              int tag);
 
   // Runs queued work on the calling thread until `work` is complete (the
   // caller-runs fast path and the worker loop share this).

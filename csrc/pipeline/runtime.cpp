@@ -12,7 +12,8 @@
 // An activation carries a header (shape, dtype), so that a stage whose output
 // changes shape is caught on both ends. A stage's first activation sends its
 // header alone, then the data; from then on both ends know the size, and
-// header and payload travel as one message (one transfer, not two), except
+// header and payload travel as one message (one transfer, not two; over
+// "dsp" written into the receiver's ring from where each is), except
 // for large payloads: those keep the two messages, so that the payload goes
 // straight from the stage's output, with no copy into a message first.
 #include "runtime.h"
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <utility>
 
+#include "backend/process_group_dsp.h"
 #include "split_backward.h"
 
 namespace dsparallel::pipeline {
@@ -168,7 +170,14 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   // header goes alone and the data follows; so do large ones. Later small
   // ones travel as one message of the known size: header, then payload.
   const bool alone = expected < 0 || expected >= kPayloadAloneBytes;
-  const int64_t size = alone ? kHeaderLen * 8 : kPayloadOffset + expected;
+  // Over "dsp" the header and the payload meet in the receiver's ring, not
+  // in a buffer here first: dropping that allocation and copy took 2-5 us
+  // off a 64 KB activation's send, 11-16 us before
+  // (benchmarks/results/pipeline-send-with-head-amd-2026-12-04.txt).
+  auto* framed = !alone && out.is_cpu() && out.is_contiguous()
+                     ? dynamic_cast<ProcessGroupDSP*>(&backendFor(out))
+                     : nullptr;
+  const int64_t size = alone ? kHeaderLen * 8 : kPayloadOffset + (framed ? 0 : expected);
   at::Tensor message = at::detail::empty_cpu({size}, at::kByte);
   int64_t* h = reinterpret_cast<int64_t*>(message.data_ptr());
   std::fill(h, h + kHeaderLen, 0);
@@ -182,7 +191,14 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
     // so that it raises the same error instead of waiting for data; and
     // fill the payload's receive, if it posted one, so that none stays
     // posted into memory that is gone.
-    send(message, dst, tag(stage, mb, false, true))->wait();
+    if (framed) {
+      framed
+          ->sendWithHead(message, at::detail::empty_cpu({expected}, at::kByte), dst,
+                         tag(stage, mb, false, true))
+          ->wait();
+    } else {
+      send(message, dst, tag(stage, mb, false, true))->wait();
+    }
     if (alone && expected >= 0) {
       send(at::detail::empty_cpu({expected}, at::kByte), dst,
            tag(stage, mb, false, false))
@@ -197,6 +213,11 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
         out.is_cpu() && out.is_contiguous() ? out : out.contiguous().cpu();
     pending.push_back(send(message, dst, tag(stage, mb, false, true)));
     pending.push_back(send(payload, dst, tag(stage, mb, false, false)));
+    return;
+  }
+  if (framed) {
+    pending.push_back(
+        framed->sendWithHead(message, out, dst, tag(stage, mb, false, true)));
     return;
   }
   if (out.is_cpu() && out.is_contiguous()) {

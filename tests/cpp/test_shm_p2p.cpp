@@ -144,6 +144,57 @@ TEST(ShmP2P, SendersThatBothOverfillDoNotDeadlock) {
       ringOptions(4096)));
 }
 
+// A message sent as a head and a payload arrives as their concatenation, for
+// every split (empty heads and payloads too), through a small ring that wraps,
+// whether its receive was posted before it arrived or after; a message whose
+// two parts together do not fit is refused.
+TEST(ShmP2P, HeadAndPayloadArriveAsOneMessage) {
+  expectNoErrors(runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        const size_t max = p.maxMessageBytes();
+        std::mt19937 gen(99);  // the same sizes on both ranks
+        std::vector<size_t> total(200), split(200);
+        for (size_t i = 0; i < total.size(); ++i) {
+          total[i] = gen() % (max + 1);
+          split[i] = i % 5 == 0 ? 0 : i % 5 == 1 ? total[i] : gen() % (total[i] + 1);
+        }
+        auto bytes = [](size_t i, size_t n) {
+          std::vector<uint8_t> v(n);
+          for (size_t k = 0; k < n; ++k) v[k] = static_cast<uint8_t>(i * 31 + k * 7);
+          return v;
+        };
+        if (c.rank() == 0) {
+          for (size_t i = 0; i < total.size(); ++i) {
+            const auto v = bytes(i, total[i]);
+            p.send(1, static_cast<int64_t>(i), v.data(), split[i], v.data() + split[i],
+                   total[i] - split[i]);
+          }
+          std::vector<uint8_t> big(max);
+          EXPECT_THROW(p.send(1, 0, big.data(), 1, big.data(), max),
+                       std::invalid_argument);
+        } else {
+          // Half posted ahead; the rest received after they arrived.
+          std::vector<std::vector<uint8_t>> got(total.size());
+          std::vector<ShmP2P::RequestPtr> reqs(total.size());
+          for (size_t i = 0; i < total.size(); i += 2) {
+            got[i].resize(total[i]);
+            reqs[i] = p.postRecv(0, static_cast<int64_t>(i), got[i].data(), total[i]);
+          }
+          for (size_t i = 0; i < total.size(); ++i) {
+            if (!reqs[i]) {
+              got[i].resize(total[i]);
+              reqs[i] = p.postRecv(0, static_cast<int64_t>(i), got[i].data(), total[i]);
+            }
+            p.wait(reqs[i]);
+            ASSERT_EQ(got[i], bytes(i, total[i])) << "message " << i;
+          }
+        }
+      },
+      ringOptions(4096)));
+}
+
 TEST(ShmP2P, AnySourceReceivesEachSenderOnce) {
   const int n = 4;
   expectNoErrors(runRanks(n, [n](ShmComm& c) {

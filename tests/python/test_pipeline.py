@@ -5,6 +5,7 @@ Tolerance: losses and every parameter gradient within rtol 1e-5, atol 1e-6
 (float32; micro-batching only reorders the sums)."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -492,14 +493,17 @@ def test_stage_output_shape_change_raises_on_both_ends(rows, width):
     run_ranks(_shape_change_body, 2, rows, width, pg_timeout_s=20)
 
 
-def _large_activation_body(rank, world, name):
-    """Activations of 512 KiB (256 x 512 floats per micro-batch): header and
-    payload travel as two messages, the payload read in place."""
+def _activation_route_body(rank, world, name, rows, width, hosts):
+    """Activations of rows x width floats per micro-batch, over the route that
+    size (and host layout) takes; loss and gradients against one process."""
+    if hosts:  # two simulated hosts: activations go over gloo
+        os.environ["DSP_NODE_ID"] = f"host{rank}"
+        dist.init_process_group("dsp")
     torch.manual_seed(0)
-    width, m = 512, 4
+    m = 4
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4))
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(256 * m, width, generator=g), torch.randn(256 * m, width, generator=g)
+    x, y = torch.randn(rows * m, width, generator=g), torch.randn(rows * m, width, generator=g)
     ref = nn.Sequential(*[copy.deepcopy(b) for b in blocks])
     ref_loss = nn.functional.mse_loss(ref(x), y)
     ref_loss.backward()
@@ -520,11 +524,27 @@ def _large_activation_body(rank, world, name):
     for s in mine:
         for p, want in zip(blocks[s].parameters(), ref_grads[s]):
             torch.testing.assert_close(p.grad, want, **TOL)
+    if hosts:
+        dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zbv"])
-def test_large_activations_give_the_same_gradients(name):
-    run_ranks(_large_activation_body, 2, name)
+# 512 KiB (256 x 512 floats): header and payload travel as two messages, the
+# payload read in place. 255 x 514 floats (8 bytes under 512 KiB): header and
+# payload together overflow a ring, so they are put together and read in
+# place. Small ones go through the ring as one message without being put
+# together first; between hosts they are put together and go over gloo.
+@pytest.mark.parametrize(
+    "name,rows,width,hosts",
+    [
+        ("1f1b", 256, 512, False),
+        ("zbv", 256, 512, False),
+        ("1f1b", 255, 514, False),
+        ("zbv", 8, 64, False),
+        ("zbv", 8, 64, True),
+    ],
+)
+def test_activation_routes_give_the_same_gradients(name, rows, width, hosts):
+    run_ranks(_activation_route_body, 2, name, rows, width, hosts, init=not hosts)
 
 
 class _Failing(nn.Module):

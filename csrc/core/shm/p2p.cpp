@@ -186,6 +186,12 @@ char* ShmP2P::ring(int src, int dst) const {
 }
 
 void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
+  send(dst, tag, nullptr, 0, data, bytes);
+}
+
+void ShmP2P::send(int dst, int64_t tag, const void* head, size_t head_bytes,
+                  const void* data, size_t bytes) {
+  bytes += head_bytes;
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw std::invalid_argument("dsp send: rank " + std::to_string(rank_) +
                                 " cannot send to rank " + std::to_string(dst) +
@@ -197,15 +203,16 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
                                 std::to_string(maxMessageBytes()));
   }
   std::lock_guard<std::mutex> send_lock(*send_mutex_[dst]);
-  writeRecord(dst, tag, bytes, 0, data, bytes);
+  writeRecord(dst, tag, bytes, 0, head, head_bytes, data, bytes - head_bytes);
 }
 
 void ShmP2P::writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
-                         const void* payload, size_t payload_bytes) {
+                         const void* head_piece, size_t head_bytes, const void* payload,
+                         size_t payload_bytes) {
   Channel& c = channel(rank_, dst);
   char* base = ring(rank_, dst);
   uint64_t head = written_bytes_[dst];
-  const size_t rec = recordBytes(payload_bytes);
+  const size_t rec = recordBytes(head_bytes + payload_bytes);
   const size_t off = head % ring_bytes_;
   const size_t waste = ring_bytes_ - off < rec ? ring_bytes_ - off : 0;
   const uint64_t end = head + waste + rec;
@@ -245,7 +252,8 @@ void ShmP2P::writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
   h->bytes = bytes;
   h->skip = 0;
   h->remote = remote;
-  if (payload_bytes) std::memcpy(at + kLine, payload, payload_bytes);
+  if (head_bytes) std::memcpy(at + kLine, head_piece, head_bytes);
+  if (payload_bytes) std::memcpy(at + kLine + head_bytes, payload, payload_bytes);
   written_bytes_[dst] = head + rec;
   advance(c.sent, ++written_count_[dst]);  // publishes the message (seq_cst)
 }
@@ -263,7 +271,8 @@ ShmP2P::SendTicket ShmP2P::sendInPlace(int dst, int64_t tag, const void* data,
   // Held before the record is visible: the receiver may read at once.
   in_flight_[dst].push_back({t.seq, std::move(keep)});
   try {
-    writeRecord(dst, tag, bytes, reinterpret_cast<uintptr_t>(data), nullptr, 0);
+    writeRecord(dst, tag, bytes, reinterpret_cast<uintptr_t>(data), nullptr, 0, nullptr,
+                0);
   } catch (...) {
     in_flight_[dst].pop_back();
     throw;

@@ -77,6 +77,11 @@ class ShmP2P {
   // (naming the peer) when the ring stays full past the timeout or the peer
   // has died, std::invalid_argument for a message that does not fit.
   void send(int dst, int64_t tag, const void* data, size_t bytes);
+  // The same for one message made of `head_bytes` at `head`, then `bytes` at
+  // `data`: a header and a payload that live apart travel as one message
+  // without a copy that puts them together first.
+  void send(int dst, int64_t tag, const void* head, size_t head_bytes, const void* data,
+            size_t bytes);
 
   // A send in place: complete once the receiver has read the message.
   struct SendTicket {
@@ -128,10 +133,12 @@ class ShmP2P {
 
   Channel& channel(int src, int dst) const;
   char* ring(int src, int dst) const;
-  // Writes one record (header, then `payload_bytes` from `payload`) into
-  // dst's ring, waiting while it is full. Needs send_mutex_[dst].
+  // Writes one record (header, then `head_bytes` from `head` and
+  // `payload_bytes` from `payload`) into dst's ring, waiting while it is
+  // full. Needs send_mutex_[dst].
   void writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
-                   const void* payload, size_t payload_bytes);
+                   const void* head, size_t head_bytes, const void* payload,
+                   size_t payload_bytes);
   // Reads `bytes` at `remote` in rank src's memory into `to`; "" or why not.
   std::string readInPlace(int src, int64_t tag, uint64_t remote, void* to,
                           size_t bytes) const;
