@@ -1,10 +1,10 @@
 // ShmP2P with ranks as threads: matching by tag in posting order, messages
 // that arrive before their receive, any-source receives, rings that wrap and
 // fill up (both ways at once), messages sent as a head and a payload, messages
-// read in place, and the errors: a size
-// mismatch, a message too large, a receive or an in-place send that nothing
-// answers. (Threads share one process, which can always read itself: the
-// single-copy table is all true here.)
+// read in place, and the errors: a size mismatch, a message too large, a
+// receive or an in-place send that nothing answers. (Threads share one
+// process, which can always read itself: the single-copy table is all true
+// here.)
 #include <gtest/gtest.h>
 
 #include <atomic>
