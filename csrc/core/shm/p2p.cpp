@@ -191,19 +191,19 @@ void ShmP2P::send(int dst, int64_t tag, const void* data, size_t bytes) {
 
 void ShmP2P::send(int dst, int64_t tag, const void* head, size_t head_bytes,
                   const void* data, size_t bytes) {
-  bytes += head_bytes;
+  const size_t total = head_bytes + bytes;
   if (dst < 0 || dst >= size_ || dst == rank_) {
     throw std::invalid_argument("dsp send: rank " + std::to_string(rank_) +
                                 " cannot send to rank " + std::to_string(dst) +
                                 " of a group of " + std::to_string(size_));
   }
-  if (bytes > maxMessageBytes()) {
-    throw std::invalid_argument("dsp send: " + std::to_string(bytes) +
+  if (total > maxMessageBytes()) {
+    throw std::invalid_argument("dsp send: " + std::to_string(total) +
                                 " bytes exceed the shared-memory ring's " +
                                 std::to_string(maxMessageBytes()));
   }
   std::lock_guard<std::mutex> send_lock(*send_mutex_[dst]);
-  writeRecord(dst, tag, bytes, 0, head, head_bytes, data, bytes - head_bytes);
+  writeRecord(dst, tag, total, 0, head, head_bytes, data, bytes);
 }
 
 void ShmP2P::writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
