@@ -3,6 +3,9 @@ against torch.distributed.pipelining on the same model and backend, in one run.
 
     python benchmarks/pipeline.py [--ranks 2] [--micro-batches 8] [--steps 20] [--timeline t.png]
 
+(``--timeline t.png`` writes t_<schedule>.png for each of our schedules: the
+step of median bubble under its plan; ``--timeline ''`` none.)
+
 ``--ranks`` processes (an MLP of two blocks per rank: one stage of two
 blocks per rank, or two stages of one block: for the V-shaped schedules rank
 r holds stages r and 2 x ranks - 1 - r, for the interleaved ones r and r +
@@ -57,34 +60,13 @@ LOOPED = ("int1f1b", "intzb1p")  # two stages per rank: r, r + ranks
 SPLIT = ("zb1p", "intzb1p", "zbv", "dualpipev")  # the backward split into I and W
 
 
-def _durations_by(entries, key) -> dict:
-    """The durations (seconds) of trace entries, grouped by ``key(stage, kind)``."""
-    from dsparallel.pipeline.timeline import parse_action
-
-    groups = {}
-    for name, start, end in entries:
-        stage, kind, _ = parse_action(name)
-        groups.setdefault(key(stage, kind), []).append(end - start)
-    return groups
-
-
-def _mean_costs(entries, n_stages) -> list[tuple[int, int, int, int]]:
-    """Per stage, the mean measured (F, B, I, W) durations in microseconds
-    (1 where absent): stages differ (the first computes no input gradient,
-    the last adds the loss)."""
-    per_kind = _durations_by(entries, lambda stage, kind: (stage, kind))
-    return [
-        tuple(
-            max(1, round(1e6 * statistics.mean(per_kind[(s, k)]))) if (s, k) in per_kind else 1
-            for k in "FBIW"
-        )
-        for s in range(n_stages)
-    ]
-
-
 def _median_durations(entries) -> dict[str, float]:
     """Per action kind ("SEND_F", ...), the median duration in microseconds."""
-    per_kind = _durations_by(entries, lambda stage, kind: kind)
+    from dsparallel.pipeline.timeline import parse_action
+
+    per_kind = {}
+    for name, start, end in entries:
+        per_kind.setdefault(parse_action(name)[1], []).append(end - start)
     return {k: 1e6 * statistics.median(v) for k, v in sorted(per_kind.items())}
 
 
@@ -226,23 +208,23 @@ def _worker(rank, world, args):
                 m for t in moves for rank_moves in t for m in rank_moves
             )
             entries = [e for t in steps for rank_trace in t for e in rank_trace]
-            costs = _mean_costs(entries, sched.num_stages)
+            costs = pp.mean_costs([entries], sched.num_stages)
             plan = sched.plan.validate(costs=costs)  # the plan the schedule runs
             row["bubble_planned"] = plan.bubble
             row["planned_makespan"] = plan.makespan
             row["costs"] = costs
             row["memory_bound"] = _memory_bound(forwards, x.chunk(m), plan.peak_in_flight[rank])
-            traces[name] = steps[median_step]  # the step of median bubble
+            traces[name] = (sched.plan, steps[median_step])  # the step of median bubble
             # Of the last step: every rank's share of its backward deferred to W.
             shares = [None] * world
             dist.all_gather_object(shares, sched.split_report())
             row["split"] = {s: e for per_rank in shares for s, e in per_rank.items()}
         rows.append(row)
     if rank == 0 and args.timeline:
-        pp.plot_schedule(traces["1f1b"], args.timeline)
         root, ext = os.path.splitext(args.timeline)
-        for name in ("zb1p", "zbv", "dualpipev"):
-            pp.plot_schedule(traces[name], f"{root}_{name}{ext}")
+        os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+        for name, (plan, measured) in traces.items():
+            pp.plot_schedule(plan, f"{root}_{name}{ext}", title=f"our {name}", measured=measured)
     dist.destroy_process_group()
     return rows
 
@@ -255,7 +237,7 @@ def main():
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--blocks-per-stage", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--timeline", default="pipeline_1f1b_timeline.png")
+    ap.add_argument("--timeline", default="pipeline_timeline.png")
     args = ap.parse_args()
     rows = run_ranks(_worker, args.ranks, args)
     print(
@@ -332,8 +314,9 @@ def main():
         )
     if args.timeline:
         print(
-            f"timelines of our 1F1B, zb1p, zbv and dualpipev steps (the step of median bubble): "
-            f"{args.timeline} and its _zb1p, _zbv, _dualpipev siblings"
+            f"timelines of our steps of median bubble, each under its plan from its mean F, B, "
+            f"I, W per stage: {os.path.splitext(args.timeline)[0]}_{{{','.join(SCHEDULES)}}}"
+            f"{os.path.splitext(args.timeline)[1]}"
         )
 
 

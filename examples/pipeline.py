@@ -4,8 +4,8 @@
 
 Rank 0 feeds the batch, the last rank computes the loss; activations flow
 forward and gradients backward between ranks. At the end rank 0 writes the
-measured timeline of the last step (``--timeline``, a PNG) and prints the
-measured bubble next to the schedule's planned one.
+measured timeline of the last step under its plan (``--timeline``, a PNG)
+and prints the measured bubble next to the schedule's planned one.
 """
 
 from __future__ import annotations
@@ -81,9 +81,13 @@ def main() -> None:
         if not last < 0.5 * first:
             raise RuntimeError("loss did not fall by half: training is broken")
     if rank == 0:
-        planned = pp.get_schedule(args.schedule, world, args.micro_batches).validate().bubble
-        print(f"bubble: measured {pp.bubble(trace):.1%}, planned {planned:.1%}")
-        pp.plot_schedule(trace, args.timeline)
+        unit = schedule.plan.validate().bubble
+        timed = schedule.plan.validate(costs=pp.mean_costs(trace, world)).bubble
+        print(
+            f"bubble: measured {pp.bubble(trace):.1%}, planned {timed:.1%} with the measured "
+            f"mean F and B of each stage ({unit:.1%} with equal ones)"
+        )
+        pp.plot_schedule(schedule.plan, args.timeline, measured=trace)
         print(f"timeline written to {args.timeline}")
     dist.destroy_process_group()
 

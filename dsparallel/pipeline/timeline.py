@@ -1,25 +1,63 @@
-"""Timelines of a pipeline schedule: planned (unit time, from the C++
-simulator) or measured (per-action wall times recorded by ``step``)."""
+"""Timelines of a pipeline schedule: planned (from the C++ simulator) or
+measured (per-action wall times recorded by ``step``)."""
 
 from __future__ import annotations
+
+import statistics
 
 import torch.distributed as dist
 
 from .schedule import Schedule
 
 _COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#c44e52"}
+_KINDS = "FBIW"  # the order of a cost tuple, as Schedule.validate takes it
+
+Trace = list[list[tuple[str, float, float]]]
 
 
-def planned_trace(schedule: Schedule) -> list[list[tuple[str, float, float]]]:
-    """Per rank, (action, start, end) of each compute action, in unit slots."""
-    stats = schedule.validate()
+def planned_trace(schedule: Schedule, costs=None) -> Trace:
+    """Per rank, (action, start, end) of each compute action as the C++
+    simulator places them: in unit slots, or with ``costs`` (one (F, B, I, W)
+    tuple of integer durations, or one per stage, as ``Schedule.validate``
+    takes them) in the costs' unit."""
+    stats = schedule.validate() if costs is None else schedule.validate(costs=costs)
+    per_stage = costs if costs is None or isinstance(costs, list) else None
+
+    def duration(action) -> float:
+        if costs is None:
+            return 1.0
+        c = per_stage[action.stage] if per_stage is not None else costs
+        return float(c[_KINDS.index(action.kind)])
+
     trace = []
     for actions, starts in zip(schedule.ranks, stats.start_slots):
-        trace.append([(str(a), float(t), float(t + 1)) for a, t in zip(actions, starts) if t >= 0])
+        trace.append(
+            [(str(a), float(t), float(t) + duration(a)) for a, t in zip(actions, starts) if t >= 0]
+        )
     return trace
 
 
-def bubble(trace: list[list[tuple[str, float, float]]]) -> float:
+def mean_costs(trace: Trace, num_stages: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Per stage, the mean measured (F, B, I, W) durations of a trace in whole
+    microseconds (1 where a kind is absent), the costs to plan it with:
+    stages differ (the first computes no input gradient, the last adds the
+    loss)."""
+    per_kind: dict[tuple[int, str], list[float]] = {}
+    for rank in trace:
+        for text, start, end in rank:
+            stage, kind, _ = parse_action(text)
+            per_kind.setdefault((stage, kind), []).append(end - start)
+    stages = num_stages or 1 + max((s for s, _ in per_kind), default=-1)
+    return [
+        tuple(
+            max(1, round(1e6 * statistics.mean(per_kind[(s, k)]))) if (s, k) in per_kind else 1
+            for k in _KINDS
+        )
+        for s in range(stages)
+    ]
+
+
+def bubble(trace: Trace) -> float:
     """Idle fraction of the ranks between the first start and the last end."""
     spans = [(s, e) for rank in trace for _, s, e in rank]
     if not spans:
@@ -50,8 +88,8 @@ def _inputs_of(stage: int, kind: str, mb: int, last_stage: int) -> list[tuple[in
 
 
 def bubble_breakdown(
-    trace: list[list[tuple[str, float, float]]],
-    transfers: list[list[tuple[str, float, float]]] | None = None,
+    trace: Trace,
+    transfers: Trace | None = None,
 ) -> dict[str, float]:
     """Where a measured step's idle time went (one list per rank of the
     pipeline's group, stage s on rank s % ranks), as fractions of ranks x
@@ -110,7 +148,7 @@ def bubble_breakdown(
     return out
 
 
-def replayed(trace: list[list[tuple[str, float, float]]]) -> list[list[tuple[str, float, float]]]:
+def replayed(trace: Trace) -> Trace:
     """The measured step replayed without the runtime: each rank runs its
     actions in the order it ran them, each lasting exactly as long as it
     did, each starting the moment the rank is free and its inputs exist
@@ -128,7 +166,7 @@ def replayed(trace: list[list[tuple[str, float, float]]]) -> list[list[tuple[str
     parsed = [[(parse_action(text), text, end - start) for text, start, end in r] for r in trace]
     last_stage = max(stage for r in parsed for (stage, _, _), _, _ in r)
     ends: dict[tuple[int, str, int], float] = {}
-    out: list[list[tuple[str, float, float]]] = [[] for _ in trace]
+    out: Trace = [[] for _ in trace]
     free = [t0] * len(trace)
     pending = sum(len(r) for r in parsed)
     while pending:
@@ -159,20 +197,61 @@ def gather_trace(schedule_runner, group=None, transfers: bool = False) -> list |
     return everyone
 
 
-def plot_schedule(schedule_or_trace, path: str, title: str | None = None) -> str:
+def plot_schedule(
+    schedule_or_trace, path: str, title: str | None = None, measured: Trace | None = None
+) -> str:
     """Draws the timeline (one row per rank, F, B (or I) and W boxes in three
     colours, labelled with the stage and micro-batch) as a PNG at ``path``.
     Takes a Schedule (planned, unit slots) or a trace as returned by
-    ``gather_trace`` (seconds)."""
+    ``gather_trace`` (seconds).
+
+    With a Schedule and ``measured`` (a trace of a step of it), draws the
+    plan and the measured step side by side on one time axis: the plan
+    placed by the simulator with each stage's mean measured F, B, I and W
+    durations (``mean_costs``), the measured step below it, each with its
+    bubble, so that what the runtime and the machine added shows as the
+    difference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     planned = isinstance(schedule_or_trace, Schedule)
-    trace = planned_trace(schedule_or_trace) if planned else schedule_or_trace
+    if measured is not None and not planned:
+        raise ValueError("plot_schedule: a measured trace is drawn beside a Schedule's plan")
+    if measured is not None:
+        costs = mean_costs(measured, schedule_or_trace.num_stages)
+        plan = planned_trace(schedule_or_trace, costs)
+        panels = [
+            (
+                [[(a, 1e-6 * s, 1e-6 * e) for a, s, e in rank] for rank in plan],
+                "planned (each stage's mean measured F, B, I, W)",
+            ),
+            (measured, "measured"),
+        ]
+    elif planned:
+        panels = [(planned_trace(schedule_or_trace), "planned")]
+    else:
+        panels = [(schedule_or_trace, "measured")]
+    rows = sum(len(trace) for trace, _ in panels)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 0.6 * rows + 1.2 * len(panels)), sharex=True, squeeze=False
+    )
+    for ax, (trace, label) in zip(axes[:, 0], panels):
+        _draw(ax, trace)
+        ax.set_title(f"{label} timeline, bubble {bubble(trace):.1%}")
+    axes[-1, 0].set_xlabel("slot" if planned and measured is None else "seconds")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw(ax, trace: Trace) -> None:
+    """One row per rank, from the trace's first start."""
     t0 = min((s for rank in trace for _, s, _ in rank), default=0.0)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(trace) + 1.2))
     for r, rank in enumerate(trace):
         for text, s, e in rank:
             kind = text.lstrip("0123456789")[:1]
@@ -182,12 +261,3 @@ def plot_schedule(schedule_or_trace, path: str, title: str | None = None) -> str
             ax.text((s + e) / 2 - t0, r, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(trace)), [f"rank {r}" for r in range(len(trace))])
     ax.invert_yaxis()
-    ax.set_xlabel("slot" if planned else "seconds")
-    ax.set_title(
-        title
-        or f"{'planned' if planned else 'measured'} pipeline timeline, bubble {bubble(trace):.1%}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -459,6 +459,28 @@ def test_plot_planned_schedule(tmp_path):
     assert pp.bubble(trace) == pytest.approx(2 / 7)
 
 
+def test_plot_plan_beside_measured_step(tmp_path):
+    # GPipe on 2 stages, F = 2 and B = 3 slots: the simulator's placement.
+    gpipe = pp.get_schedule("gpipe", 2, 2)
+    assert pp.planned_trace(gpipe, (2, 3, 1, 1)) == [
+        [("0F0", 0, 2), ("0F1", 2, 4), ("0B0", 9, 12), ("0B1", 12, 15)],
+        [("1F0", 2, 4), ("1F1", 4, 6), ("1B0", 6, 9), ("1B1", 9, 12)],
+    ]
+    # Per-stage costs: the trace's bubble is the simulator's, and a "measured"
+    # step that ran exactly to plan (in seconds) gives back those costs.
+    sched = pp.get_schedule("dualpipev", 4, 8, stages_per_rank=2)
+    costs = [(400, 700, 410, 300), (350, 690, 400, 260), (355, 694, 404, 289), (436, 744, 571, 459)]
+    plan = pp.planned_trace(sched, costs)
+    assert pp.bubble(plan) == pytest.approx(sched.validate(costs=costs).bubble)
+    measured = [[(a, 5.0 + 1e-6 * s, 5.0 + 1e-6 * e) for a, s, e in rank] for rank in plan]
+    assert pp.mean_costs(measured, 4) == costs
+    path = pp.plot_schedule(sched, str(tmp_path / "pm.png"), title="t", measured=measured)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="beside a Schedule's plan"):
+        pp.plot_schedule(measured, str(tmp_path / "x.png"), measured=measured)
+
+
 class _Growing(nn.Module):
     """Outputs one row fewer on each call: the shape changes between micro-batches."""
 
