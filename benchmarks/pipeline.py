@@ -313,10 +313,10 @@ def main():
             "(from each schedule's measured per-stage F, B, I, W)"
         )
     if args.timeline:
+        root, ext = os.path.splitext(args.timeline)
         print(
             f"timelines of our steps of median bubble, each under its plan from its mean F, B, "
-            f"I, W per stage: {os.path.splitext(args.timeline)[0]}_{{{','.join(SCHEDULES)}}}"
-            f"{os.path.splitext(args.timeline)[1]}"
+            f"I, W per stage: {root}_<schedule>{ext} for {', '.join(SCHEDULES)}"
         )
 
 

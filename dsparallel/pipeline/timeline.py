@@ -21,12 +21,11 @@ def planned_trace(schedule: Schedule, costs=None) -> Trace:
     tuple of integer durations, or one per stage, as ``Schedule.validate``
     takes them) in the costs' unit."""
     stats = schedule.validate() if costs is None else schedule.validate(costs=costs)
-    per_stage = costs if costs is None or isinstance(costs, list) else None
 
     def duration(action) -> float:
         if costs is None:
             return 1.0
-        c = per_stage[action.stage] if per_stage is not None else costs
+        c = costs[action.stage] if isinstance(costs, list) else costs
         return float(c[_KINDS.index(action.kind)])
 
     trace = []
