@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import dsparallel
 from dsparallel.models import GPTConfig, build_stage, gpt_loss
@@ -152,16 +153,6 @@ def resume(path, rank, state, cfg, module, opt):
     module.load_state_dict(model_state)
     opt.load_state_dict(optim)
     return ckpt["step"], ckpt["history"]
-
-
-def progress(step, steps, loss, tokens_per_s):
-    done = int(30 * step / steps)
-    bar = "#" * done + "." * (30 - done)
-    line = f"[{bar}] step {step}/{steps} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"
-    if sys.stdout.isatty():
-        print("\r" + line, end="" if step < steps else "\n", flush=True)
-    elif step % 20 == 0 or step == steps:
-        print(line, flush=True)
 
 
 def plot(history, path):
@@ -362,6 +353,12 @@ def main() -> None:
     p.add_argument("--resume", help="directory of a checkpoint to continue from")
     p.add_argument("--plot", default="gpt_loss.png", help="loss curve PNG ('' for none)")
     p.add_argument("--losses", help="write [step, loss] of every step to this JSON file")
+    p.add_argument(
+        "--expect-loss-drop",
+        type=float,
+        metavar="R",
+        help="exit non-zero unless the mean loss of the last 10 steps is below R x the first",
+    )
     p.add_argument("--backend", default=None)
     args = p.parse_args()
 
@@ -410,12 +407,21 @@ def main() -> None:
         )
 
     t0, tokens = time.perf_counter(), 0
-    for step in range(start, args.steps):
+    # A bar that redraws on a terminal and writes a line every 20 s into a log.
+    bar = tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        disable=rank != 0,
+        mininterval=0.1 if sys.stderr.isatty() else 20,
+        unit="step",
+    )
+    for step in bar:
         loss = train_step(job, corpus, step)
         history.append((step + 1, loss))
         tokens += args.batch_size * args.seq
-        if rank == 0:
-            progress(step + 1, args.steps, loss, tokens / (time.perf_counter() - t0))
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
+    bar.close()
     elapsed = time.perf_counter() - t0
 
     if args.save:
@@ -441,6 +447,21 @@ def main() -> None:
             plot(history, args.plot)
             print(f"loss curve: {args.plot}")
     dsparallel.destroy_parallel()
+    if args.expect_loss_drop is not None:
+        check_loss_fell(history, args.expect_loss_drop)
+
+
+def check_loss_fell(history, ratio):
+    """Every rank holds the same losses, so every rank fails alike."""
+    losses = [loss for _, loss in history]
+    if len(losses) < 11:
+        raise SystemExit(f"--expect-loss-drop needs at least 11 steps, got {len(losses)}")
+    last = sum(losses[-10:]) / 10
+    if not last < ratio * losses[0]:
+        raise SystemExit(
+            f"loss did not fall: mean of the last 10 steps {last:.4f} is not below "
+            f"{ratio} x the first step's {losses[0]:.4f}"
+        )
 
 
 if __name__ == "__main__":

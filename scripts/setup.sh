@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(cmake ninja-build libgtest-dev g++)
+# iproute2 and util-linux: the tests that build network and mount namespaces.
+APT_PACKAGES=(cmake ninja-build libgtest-dev g++ iproute2 util-linux)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -24,8 +25,9 @@ PY=${PYTHON:-python3}
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 # Always pin torch: a bare 'torch' would pull a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check \
-  "torch==${DSP_TORCH_VERSION:-2.13.0}" numpy matplotlib pytest pytest-timeout ninja ruff \
-  setuptools wheel expecttest
+  "torch==${DSP_TORCH_VERSION:-2.13.0}" numpy matplotlib tqdm pytest pytest-timeout ninja ruff \
+  setuptools wheel expecttest build \
+  mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build

@@ -1,28 +1,46 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh) and runs every test: lint, the GoogleTest suite
-# of the core (ctest, then again under ThreadSanitizer), the pytest suite
-# (real multi-process runs), and torch's own distributed test suite over
-# "dsp" at world sizes 2 and 3 (tests/conformance).
+# Sets up (scripts/setup.sh) and runs every test: lint, the docs site's strict
+# build, the GoogleTest suite of the core (ctest, then again under
+# ThreadSanitizer), the pytest suite (real multi-process runs), and torch's
+# own distributed test suite over "dsp" at world sizes 2 and 3
+# (tests/conformance). Arguments go to pytest. Prints each stage's time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+source scripts/stages.sh
 PY=${PYTHON:-python3}
 
-echo "== lint"
-"$PY" -m ruff check .
-"$PY" -m ruff format --check .
+# Stages run in a `||` context, where `set -e` does not act: each function
+# below passes on its failures itself.
+lint() {
+  "$PY" -m ruff check . && "$PY" -m ruff format --check .
+}
 
-echo "== GoogleTest (core)"
-ctest --test-dir build --output-on-failure
+tsan() {
+  # The whole report when it fails: a race is read from its two stacks.
+  local log
+  log=$(mktemp)
+  if bash scripts/tsan.sh >"$log" 2>&1; then
+    tail -3 "$log"
+  else
+    cat "$log"
+    return 1
+  fi
+}
 
-echo "== GoogleTest (core) under ThreadSanitizer"
-bash scripts/tsan.sh 2>&1 | tail -3
+conformance() {
+  local world
+  for world in 2 3; do
+    DSP_UNGATE=1 "$PY" tests/conformance/check.py --world "$world" -- -q --no-header -p no:warnings |
+      grep -E "^conformance:" || return 1
+  done
+}
 
-echo "== pytest"
-"$PY" -m pytest -q tests/python "$@"
-
-echo "== torch's distributed test suite over dsp"
-for world in 2 3; do
-  DSP_UNGATE=1 "$PY" tests/conformance/check.py --world "$world" -- -q --no-header -p no:warnings |
-    grep -E "^conformance:"
-done
+[[ -n "${DSP_STAGE_TABLE_LATER:-}" ]] || trap stage_table EXIT
+stage "setup (install, build)" bash scripts/setup.sh
+stage "lint (ruff)" lint
+stage "docs (mkdocs build --strict)" "$PY" -m mkdocs build --strict --quiet --site-dir build/site
+# --no-tests=error: a build that registered no test fails instead of passing.
+stage "GoogleTest (core)" ctest --test-dir build --output-on-failure --no-tests=error
+stage "GoogleTest (core) under ThreadSanitizer" tsan
+stage "pytest" "$PY" -m pytest -q --durations=15 tests/python "$@"
+stage "torch's distributed suite over dsp" conformance

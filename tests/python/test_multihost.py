@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import free_port, run_ranks
+from dist_utils import free_port, require, run_ranks
 
 
 def _init_as_hosts(rank, hosts_of):
@@ -254,8 +254,10 @@ def test_two_network_namespaces_joined_by_veth():
     tag = uuid.uuid4().hex[:6]
     ns, dev = [f"dsp{tag}{s}" for s in "ab"], [f"dv{tag}{s}" for s in "ab"]
     addr = ["10.231.7.1", "10.231.7.2"]
-    if shutil.which("ip") is None or _netns(["netns", "add", ns[0]]).returncode != 0:
-        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    require(
+        shutil.which("ip") is not None and _netns(["netns", "add", ns[0]]).returncode == 0,
+        "cannot create network namespaces here (needs root and iproute2)",
+    )
     try:
         steps = [
             ["netns", "add", ns[1]],
@@ -270,8 +272,8 @@ def test_two_network_namespaces_joined_by_veth():
             ]
         for step in steps:
             done = _netns(step)
-            if done.returncode != 0:  # the environment, not our code
-                pytest.skip(f"cannot build the veth pair here: ip {' '.join(step)}: {done.stderr}")
+            # A failure here is the environment's, not our code's.
+            require(done.returncode == 0, f"cannot build the veth pair: ip {' '.join(step)}: {done.stderr}")
         out = _agents(
             2,
             2,

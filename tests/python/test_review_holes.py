@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import free_port, run_ranks
+from dist_utils import free_port, require, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,10 +99,10 @@ def _can_unshare(*flags) -> bool:
     return subprocess.run(["unshare", *flags, "true"], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _can_unshare("--mount"), reason="needs unshare --mount (root)")
 def test_small_dev_shm_raises_on_every_rank_naming_the_bytes():
     """4 ranks in a mount namespace whose /dev/shm is 8 MB: every rank raises
     the same clear error (needed, free, the fix), none dies of SIGBUS."""
+    require(_can_unshare("--mount"), "needs unshare --mount (root)")
     script = _job(
         """
         import os, sys, torch.distributed as dist, dsparallel
@@ -135,10 +135,10 @@ def test_small_dev_shm_raises_on_every_rank_naming_the_bytes():
     assert "SIGBUS" not in text and "CREATED" not in text, text
 
 
-@pytest.mark.skipif(not _can_unshare("--ipc"), reason="needs unshare --ipc (root)")
 def test_ranks_in_separate_ipc_namespaces_go_over_gloo():
     """Two ranks with one host name but separate IPC namespaces are two hosts:
     they meet over gloo (hierarchical path), with correct results."""
+    require(_can_unshare("--ipc"), "needs unshare --ipc (root)")
     script = _job(
         """
         import os, torch, torch.distributed as dist, dsparallel
