@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import sys
 import time
 
@@ -39,6 +38,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from collectives import _mpi_available, _run_mpi  # noqa: E402
+from common import MIN_REPEATS, save, stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 WARMUP = 200
@@ -83,32 +83,40 @@ def _worker(rank, n, engine, iters, rounds):
     return (per_call / n).tolist()
 
 
-def _spread(values) -> str:
+def _spread(s: dict) -> str:
     """Median [min-max] of per-call microseconds."""
-    return f"{statistics.median(values):6.2f} [{min(values):5.2f}-{max(values):5.2f}]"
+    return f"{s['median']:6.2f} [{s['min']:5.2f}-{s['max']:5.2f}]"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--iters", type=int, default=5000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=MIN_REPEATS)
     args = ap.parse_args()
     print(f"{os.cpu_count()} CPUs; per call and rank: median over {args.rounds} rounds [range]")
     print(f"{'n':>2} {'engine':>10} | {'wall us':>20} | {'cpu us':>20} | sys us | switches")
+    rows = []
     for n in args.worlds:
         for engine in ["fake", "fake_yield", "op", "dist"]:
             rounds = run_ranks(_worker, n, engine, args.iters, args.rounds)
-            wall, cpu, system, switches = ([row[i] for row in rounds] for i in range(4))
+            wall, cpu, system, switches = (
+                stats(row[i] * scale for row in rounds)
+                for i, scale in ((0, 1e6), (1, 1e6), (2, 1e6), (3, 1))
+            )
+            rows.append(
+                {"world": n, "engine": engine, "wall_us": wall, "cpu_us": cpu, "switches": switches}
+            )
             print(
-                f"{n:>2} {engine:>10} | {_spread([x * 1e6 for x in wall])}"
-                f" | {_spread([x * 1e6 for x in cpu])} | {statistics.median(system) * 1e6:6.2f}"
-                f" | {statistics.median(switches):8.2f}",
+                f"{n:>2} {engine:>10} | {_spread(wall)} | {_spread(cpu)} | "
+                f"{system['median']:6.2f} | {switches['median']:8.2f}",
                 flush=True,
             )
         if _mpi_available():
-            mpi = [_run_mpi(n, "all_reduce", [8])[8] for _ in range(args.rounds)]
+            mpi = stats(_run_mpi(n, "all_reduce", [8])[8])  # its rounds, in us
+            rows.append({"world": n, "engine": "mpi", "wall_us": mpi})
             print(f"{n:>2} {'mpi':>10} | {_spread(mpi)} |", flush=True)
+    save("call_cpu", rows, vars(args))
 
 
 if __name__ == "__main__":

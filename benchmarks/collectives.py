@@ -11,8 +11,10 @@ exactly representable values) for each backend, and the ratio of gloo's time
 to ours. Conventions as nccl-tests: `size` is the bytes of the largest buffer
 (all_gather: the output; reduce_scatter: the input); busbw = algbw x 2(n-1)/n
 for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for broadcast.
-Warm-up iterations come first; then three timed rounds, each reporting the
-slowest rank's mean time per call; the median round is printed.
+Warm-up iterations come first; then five timed rounds, the engines taking
+turns, each giving the slowest rank's mean time per call; the median round is
+printed, and the results file keeps the median, min and max
+(benchmarks/common.py).
 
 For all_reduce two more engines are timed in the same processes: our direct
 all-reduce ``dsparallel.ops.all_reduce_`` ("op": no torch.distributed wrapper
@@ -59,6 +61,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from common import ROUNDS, save, stats  # noqa: E402
 from fresh import fresh  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
@@ -83,7 +86,6 @@ BUS_FACTOR = {
     "broadcast": lambda n: 1.0,
 }
 TIME_BUDGET_S = 0.45  # per measurement, after warm-up
-ROUNDS = 5  # timed rounds, the engines taking turns; the median is reported
 
 
 def parse_bytes(s: str) -> int:
@@ -184,8 +186,8 @@ def _make_op(name, n, rank, size_bytes, group, dtype="float32", engine="dist"):
 
 
 def _time(runs, size_bytes):
-    """Seconds per call of each engine in ``runs`` (name -> run): the median
-    over ROUNDS rounds of the slowest rank's mean. The engines take turns
+    """Seconds per call of each engine in ``runs`` (name -> run): the slowest
+    rank's mean in each of ROUNDS rounds. The engines take turns
     round by round, so that a burst of noise on a shared machine falls on all
     of them alike and their ratio holds within one run."""
     import torch
@@ -219,7 +221,7 @@ def _time(runs, size_bytes):
             mine = torch.tensor([(time.perf_counter() - t0) / iters[name]])
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
             rounds[name].append(mine.item())
-    return {name: sorted(r)[len(r) // 2] for name, r in rounds.items()}
+    return rounds
 
 
 def _deepspeed_op(n):
@@ -292,7 +294,7 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
             gloo = {"gloo": runs.pop("gloo")}
             for part in (gloo, runs):
                 for name, secs in _time(part, size).items():
-                    row[name]["us"] = secs * 1e6
+                    row[name]["us"] = stats(t * 1e6 for t in secs)
             del runs
             rows.append(row)
             if rank == 0:
@@ -339,8 +341,9 @@ def mpirun(n: int) -> list[str]:
     ]
 
 
-def run_json(cmd: list[str]) -> dict[int, float]:
-    """Runs cmd, whose last line of output is a JSON object of size -> us."""
+def run_json(cmd: list[str]) -> dict:
+    """Runs cmd, whose last line of output is a JSON object of size -> us
+    (one number, or one per round)."""
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
 
@@ -359,8 +362,13 @@ HEADER = (
 )
 
 
+def us(row, name) -> float:
+    """An engine's median microseconds per call in a row."""
+    return row[name]["us"]["median"]
+
+
 def _bw(row, name):
-    secs = row[name]["us"] / 1e6
+    secs = us(row, name) / 1e6
     alg = row["bytes"] / secs / 1e9
     return alg, alg * BUS_FACTOR[row["collective"]](row["world"])
 
@@ -369,27 +377,25 @@ def _format_row(row):
     parts = [f"{row['collective']:>14} {row['world']:>2} {fmt_bytes(row['bytes']):>6}"]
     for name in ("dsp", "gloo"):
         alg, bus = _bw(row, name)
-        parts.append(f"{row[name]['us']:>10.1f} {alg:>7.3f} {bus:>7.3f} {row[name]['wrong']:>6}")
-    ratio = row["gloo"]["us"] / row["dsp"]["us"]
+        parts.append(f"{us(row, name):>10.1f} {alg:>7.3f} {bus:>7.3f} {row[name]['wrong']:>6}")
+    ratio = us(row, "gloo") / us(row, "dsp")
     line = " | ".join(parts) + f" | {ratio:>7.1f}x"
     if "dsp-op" in row:
-        line += f" | op {row['dsp-op']['us']:>8.1f} us {row['dsp-op']['wrong']}"
+        line += f" | op {us(row, 'dsp-op'):>8.1f} us {row['dsp-op']['wrong']}"
     if "alone" in row:
-        alone = row["alone"]["us"]
-        more = row["dsp"]["us"] - alone
+        alone = us(row, "alone")
+        more = us(row, "dsp") - alone
         line += f" | alone {alone:>6.1f} us {row['alone']['wrong']} dsp-alone {more:>6.1f} us"
     if "deepspeed" in row:
-        ds = row["deepspeed"]["us"]
+        ds = us(row, "deepspeed")
         line += (
             f" | deepspeed {ds:>8.1f} us {row['deepspeed']['wrong']} dsp/ds time "
-            f"{row['dsp']['us'] / ds:>5.2f} op/ds {row['dsp-op']['us'] / ds:>5.2f}"
+            f"{us(row, 'dsp') / ds:>5.2f} op/ds {us(row, 'dsp-op') / ds:>5.2f}"
         )
-    if "mpi_us" in row:
-        mpi_bus = (
-            row["bytes"] / (row["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR[row["collective"]](row["world"])
-        )
+    if "mpi" in row:
+        mpi_bus = _bw(row, "mpi")[1]
         line += (
-            f" | mpi {row['mpi_us']:>9.1f} us busbw {mpi_bus:>6.3f} dsp/mpi busbw "
+            f" | mpi {us(row, 'mpi'):>9.1f} us busbw {mpi_bus:>6.3f} dsp/mpi busbw "
             f"{_bw(row, 'dsp')[1] / mpi_bus:>5.2f}"
         )
     return line
@@ -415,13 +421,8 @@ def _plot(rows, path):
         xs = [r["bytes"] for r in sel]
         for name in ("dsp", "gloo"):
             ax.plot(xs, [_bw(r, name)[1] for r in sel], marker="o", label=name)
-        if sel and all("mpi_us" in r for r in sel):
-            ax.plot(
-                xs,
-                [r["bytes"] / (r["mpi_us"] / 1e6) / 1e9 * BUS_FACTOR[coll](n) for r in sel],
-                marker="o",
-                label="MPI",
-            )
+        if sel and all("mpi" in r for r in sel):
+            ax.plot(xs, [_bw(r, "mpi")[1] for r in sel], marker="o", label="MPI")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("bytes")
@@ -507,7 +508,7 @@ def main():
     ap.add_argument("--min-bytes", default="8")
     ap.add_argument("--max-bytes", default="256M")
     ap.add_argument("--plot", help="write a PNG of busbw against size")
-    ap.add_argument("--json", help="write the rows as JSON")
+    ap.add_argument("--name", default="collectives", help="the results file's name")
     ap.add_argument("--no-mpi", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--no-deepspeed", action="store_true")
@@ -564,12 +565,11 @@ def main():
             mpi = _run_mpi(n, collective, sizes, args.data)
             for r in world_rows:
                 if r["collective"] == collective and r["bytes"] in mpi:
-                    r["mpi_us"] = mpi[r["bytes"]]
+                    # mpi_collectives.py checked its results (it fails otherwise).
+                    r["mpi"] = {"wrong": 0, "us": stats(mpi[r["bytes"]])}
                     print(_format_row(r))
         rows += world_rows
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save(args.name, rows, vars(args))
     if args.plot:
         _plot(rows, args.plot)
 

@@ -38,13 +38,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from collectives import fmt_bytes, mpirun, parse_bytes, run_json  # noqa: E402
+from common import MIN_REPEATS, save, stats  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 BUILD = os.path.join(ROOT, "build", "latency")
@@ -92,7 +92,7 @@ def main() -> None:
         choices=["all_reduce", "all_gather", "broadcast"],
     )
     ap.add_argument("--max-bytes", type=parse_bytes, default=256 << 10)
-    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=MIN_REPEATS)
     ap.add_argument("--data", nargs="+", default=["static"], choices=["static", "fresh"])
     ap.add_argument(
         "--baseline",
@@ -114,6 +114,7 @@ def main() -> None:
         + " MPI / dsp"
         + (" | base / dsp" if args.baseline else "")
     )
+    rows = []
     for collective in args.collectives:
         for n in args.worlds:
             sizes_args = [str(s) for s in sizes]
@@ -125,15 +126,18 @@ def main() -> None:
             for data in args.data:
                 for s in sizes:
                     med, cells = {}, ""
+                    row = {"collective": collective, "data": data, "world": n, "bytes": s}
                     for e in engines:
-                        t = [r[s] for r in times[data, e]]
-                        med[e] = statistics.median(t)
-                        cells += f" {med[e]:8.2f} ({min(t):6.2f}-{max(t):6.2f}) |"
+                        row[e] = stats(r[s] for r in times[data, e])  # us per call
+                        med[e], lo, hi = row[e]["median"], row[e]["min"], row[e]["max"]
+                        cells += f" {med[e]:8.2f} ({lo:6.2f}-{hi:6.2f}) |"
+                    rows.append(row)
                     print(
                         f"{collective:>10} {data:>6} {n:>5} {fmt_bytes(s):>6} |{cells}"
                         f" {med['mpi'] / med['dsp']:9.2f}"
                         + (f" | {med['base'] / med['dsp']:10.2f}" if args.baseline else "")
                     )
+    save("core_latency", rows, vars(args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """DDP step time: torch's DDP and dsparallel's, over gloo and "dsp", in one run.
 
-    python benchmarks/ddp.py [--world 2] [--steps 8] [--hook fp16|bf16] [--json out.json]
+    python benchmarks/ddp.py [--world 2] [--steps 15] [--hook fp16|bf16]
 
 Two models: a communication-bound MLP (~50M parameters, small batch) and a
 compute-bound conv net (small parameters, larger batch). For each model it
@@ -23,16 +23,13 @@ buckets of that dtype.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROUNDS, interleaved_rounds, medians, round_stats, save, timed_stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
-from timing import interleaved_rounds, median_seconds  # noqa: E402
 
-ROUNDS = 4  # interleaved timing rounds per configuration
 CONFIGS = [("torch", "gloo"), ("torch", "dsp"), ("dsparallel", "gloo"), ("dsparallel", "dsp")]
 
 
@@ -91,7 +88,7 @@ def _worker(rank, world, steps, warmup, hook=None):
             module(x).square().mean().backward()
             opt.step()
 
-        local = median_seconds(plain_step, steps, warmup)
+        local = timed_stats(plain_step, steps, warmup)
         # Communication alone: the gradients' bytes as 25 MB buckets (DDP's
         # cap), preallocated, all launched then awaited, as the reducer does.
         numel = sum(p.numel() for p in model.parameters())
@@ -110,7 +107,7 @@ def _worker(rank, world, steps, warmup, hook=None):
             "local_s": local,
         }
         for backend in ("gloo", "dsp"):
-            row[f"comm_{backend}_s"] = median_seconds(
+            row[f"comm_{backend}_s"] = timed_stats(
                 lambda b=backend: comm_alone(groups[b]),
                 steps,
                 warmup,
@@ -136,7 +133,7 @@ def _worker(rank, world, steps, warmup, hook=None):
             steppers[f"{ddp_name}/{backend}"] = step
         rounds = interleaved_rounds(steppers, ROUNDS, max(1, steps // ROUNDS), warmup)
         for k, per_round in rounds.items():
-            row[f"{k}_s"] = statistics.median(statistics.median(r) for r in per_round)
+            row[f"{k}_s"] = round_stats(per_round)
         del steppers
         rows.append(row)
     dist.destroy_process_group()
@@ -144,6 +141,7 @@ def _worker(rank, world, steps, warmup, hook=None):
 
 
 def _format(rows):
+    rows = [medians(r) for r in rows]
     lines = []
     base_key = "torch/gloo_s"
     for r in rows:
@@ -170,10 +168,9 @@ def _format(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=15, help=f"timed steps, over {ROUNDS} rounds")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hook", choices=["fp16", "bf16"], help="torch's compress hook")
-    ap.add_argument("--json")
     args = ap.parse_args()
     rows = run_ranks(_worker, args.world, args.steps, args.warmup, args.hook)
     hooked = f", {args.hook} compress hook" if args.hook else ""
@@ -182,9 +179,7 @@ def main():
         f"of {max(1, args.steps // ROUNDS)}-step medians"
     )
     print(_format(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save("ddp" + (f"-{args.hook}-hook" if args.hook else ""), rows, vars(args))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 torch's "nccl" backend, and the fused all-reduce's bucket packing against a
 plain device-to-device copy of the same bytes.
 
-    python benchmarks/gpu.py [--json out.json]
+    python benchmarks/gpu.py
 
 One rank per GPU (all GPUs of the machine). all_reduce: time per call and
 busbw per size, for both backends in the same run, and their ratio.
@@ -15,28 +15,32 @@ hand-written flatten would do), reported as effective GB/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROUNDS, medians, save, stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 SIZES = [8, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
 
 
 def _timed(fn, iters):
+    """``stats`` of the seconds per call over ROUNDS rounds of ``iters`` calls."""
     import torch
 
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+    rounds = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / iters)
+    return stats(rounds)
 
 
 def _worker(rank, world):
@@ -119,18 +123,20 @@ def main():
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json")
     args = ap.parse_args()
     world = torch.cuda.device_count()
     if world == 0:
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU")
     r = run_ranks(_worker, world)
+    save("gpu", [r], vars(args))
+    r = medians(r)
+    r["ddp_step_s"] = medians(r["ddp_step_s"])
     n = r["world"]
     bus = 2 * (n - 1) / n if n > 1 else 1.0
     print(f"all_reduce on {n} GPU(s): dsp (NCCL underneath) against torch's nccl backend")
     print(f"{'bytes':>10} {'dsp us':>10} {'nccl us':>10} {'dsp busbw':>10} {'dsp/nccl':>9}")
     for row in r["all_reduce"]:
-        d, c = row["dsp"], row["nccl"]
+        d, c = row["dsp"]["median"], row["nccl"]["median"]
         print(
             f"{row['bytes']:>10} {d * 1e6:>10.1f} {c * 1e6:>10.1f} "
             f"{row['bytes'] / d / 1e9 * bus:>10.2f} {d / c:>8.2f}x"
@@ -146,9 +152,6 @@ def main():
         f"DDP step, 34M-param MLP: torch DDP/nccl {d['torch'] * 1e3:.2f} ms, "
         f"ours/dsp {d['ours'] * 1e3:.2f} ms ({d['ours'] / d['torch']:.2f}x)"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
 
 
 if __name__ == "__main__":

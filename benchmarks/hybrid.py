@@ -1,7 +1,7 @@
 """The GPT job (examples/train_gpt.py) in four 4-process layouts, with and
 without activation checkpointing: tokens/s and memory per rank, in one run.
 
-    python benchmarks/hybrid.py [--steps 20] [--png hybrid.png] [--json out.json]
+    python benchmarks/hybrid.py [--steps 20] [--png docs/figures/hybrid.png]
 
 Layouts: dp 4; tp 2 x dp 2; tp 2 x pp 2; pp 4 (1F1B, 4 micro-batches). Each
 configuration runs in fresh processes over "dsp". Reported per configuration:
@@ -20,14 +20,13 @@ rank:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+from common import save, slowest_rank_seconds, stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 LAYOUTS = [("dp 4", 1, 1), ("tp 2 x dp 2", 2, 1), ("tp 2 x pp 2", 2, 2), ("pp 4", 1, 4)]
@@ -60,21 +59,18 @@ def _worker(rank, world, tp, pp, checkpoint, args):
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         train_gpt.train_step(job, corpus, step)
     step += 1
-    dist.barrier()
-    t0 = time.perf_counter()
+    seconds = []
     for _ in range(args["steps"]):
-        train_gpt.train_step(job, corpus, step)
+        seconds.append(slowest_rank_seconds(lambda s=step: train_gpt.train_step(job, corpus, s)))
         step += 1
-    elapsed = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     mine = torch.tensor([saved.peak / 2**20, peak_rss - rss_before])
     every = [torch.zeros(2) for _ in range(world)]
     dist.all_gather(every, mine)
     dsparallel.destroy_parallel()
-    tokens = args["steps"] * args["batch_size"] * args["seq"]
+    tokens = args["batch_size"] * args["seq"]  # per step
     return {
-        "tokens_per_s": tokens / elapsed.item(),
+        "tokens_per_s": stats(tokens / t for t in seconds),
         "saved_mb": [e[0].item() for e in every],
         "rss_growth_mb": [e[1].item() for e in every],
     }
@@ -88,7 +84,7 @@ def _plot(rows, path):
 
     labels = [f"{r['layout']}{' +ckpt' if r['checkpoint'] else ''}" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.barh(labels, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    a.barh(labels, [r["tokens_per_s"]["median"] for r in rows], color="tab:blue")
     a.set_xlabel("tokens/s")
     a.invert_yaxis()
     b.barh(labels, [max(r["saved_mb"]) for r in rows], color="tab:orange")
@@ -109,8 +105,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--png")
-    ap.add_argument("--json")
+    ap.add_argument("--png", help="e.g. docs/figures/hybrid.png")
     a = ap.parse_args()
     args = {k: getattr(a, k) for k in ("steps", "warmup", "hidden", "layers", "seq")}
     args.update(batch_size=a.batch_size, micro_batches=a.micro_batches)
@@ -127,19 +122,18 @@ def main():
         f"{'layout':>14} {'ckpt':>5} {'tokens/s':>9} {'vs dp 4':>8}   "
         f"{'held MiB per rank':<28} rss+ MiB per rank"
     )
-    base = rows[0]["tokens_per_s"]
+    save("hybrid", rows, vars(a))
+    base = rows[0]["tokens_per_s"]["median"]
     for r in rows:
         held = " ".join(f"{v:6.1f}" for v in r["saved_mb"])
         rss = " ".join(f"{v:5.1f}" for v in r["rss_growth_mb"])
         print(
             f"{r['layout']:>14} {'yes' if r['checkpoint'] else 'no':>5} "
-            f"{r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>7.2f}x   {held:<28} {rss}"
+            f"{r['tokens_per_s']['median']:>9.0f} {r['tokens_per_s']['median'] / base:>7.2f}x   "
+            f"{held:<28} {rss}"
         )
     if a.png:
         _plot(rows, a.png)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 torch's ops, the MoE layer against a dense MLP, and the expert load over
 training with and without the balancing bias.
 
-    python benchmarks/moe.py [--worlds 2 4] [--steps 12] [--json out.json] [--plot load.png]
+    python benchmarks/moe.py [--worlds 2 4] [--steps 15] [--plot docs/figures/moe-load.png]
 
 For each size (tokens per rank, hidden; 8 experts, top-2, routing from a
 random router) it times forward + backward (median step, slowest rank) of:
@@ -30,16 +30,13 @@ expert of its first MoE block over the steps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROUNDS, interleaved_rounds, medians, round_stats, save  # noqa: E402
 from launch import run_ranks  # noqa: E402
-from timing import interleaved_rounds  # noqa: E402
 
-ROUNDS = 4
 EXPERTS, TOP_K = 8, 2
 # (tokens per rank, hidden): the GPT job's (4 sequences of 64 x 128) and larger.
 SIZES = [(256, 128), (1024, 256), (4096, 512)]
@@ -120,7 +117,7 @@ def _time_size(rank, world, tokens, hidden, groups, steps, warmup):
     steppers["dense MLP"] = dense
     rounds = interleaved_rounds(steppers, ROUNDS, max(1, steps // ROUNDS), warmup)
     row = {"world": world, "tokens": tokens, "hidden": hidden}
-    row.update({k: statistics.median(statistics.median(r) for r in v) for k, v in rounds.items()})
+    row.update({k: round_stats(v) for k, v in rounds.items()})
     return row
 
 
@@ -139,6 +136,7 @@ def _worker(rank, world, steps, warmup):
 
 
 def _format(rows):
+    rows = [medians(r) for r in rows]
     head = (
         f"{'ranks':>5} {'tokens x hidden':>16} {'ours/dsp':>9} {'ours/gloo':>9} "
         f"{'torch/dsp':>9} {'torch/gloo':>10} {'ours:dsp / torch:gloo':>22} "
@@ -230,9 +228,8 @@ def _plot(path, runs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4], help="none: the plot only")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=15, help=f"timed steps, over {ROUNDS} rounds")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG of the per-expert load over training")
     ap.add_argument("--train-steps", type=int, default=300)
     args = ap.parse_args()
@@ -245,7 +242,6 @@ def main():
             f"{ROUNDS} interleaved rounds of {max(1, args.steps // ROUNDS)}-step medians"
         )
         print(_format(rows))
-    result = {"rows": rows}
     if args.plot:
         runs = {}
         for bias, title in ((True, "balancing bias (rate 1e-3)"), (False, "no bias")):
@@ -255,15 +251,14 @@ def main():
         for title, loads in runs.items():
             last = loads[-len(loads) // 10 :]
             share = [sum(r[e] for r in last) for e in range(EXPERTS)]
+            busiest = max(share) / (sum(share) / EXPERTS)
             print(
                 f"{title}: busiest expert / mean load over the last tenth of "
-                f"{len(loads)} steps = {max(share) / (sum(share) / EXPERTS):.2f}"
+                f"{len(loads)} steps = {busiest:.2f}"
             )
+            rows.append({"load": title, "steps": len(loads), "busiest_over_mean": busiest})
         print(f"load plot: {args.plot}")
-        result["loads"] = runs
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save("moe", rows, vars(args))
 
 
 if __name__ == "__main__":

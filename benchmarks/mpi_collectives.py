@@ -8,8 +8,8 @@ rank 0) or ping_pong (2 ranks: rank 0 MPI_Send then MPI_Recv, rank 1 the
 reverse, the same buffer; one call is a round trip; for benchmarks/p2p.py);
 each SIZE is bytes of the largest buffer, as on the torch side
 (all_gather: the output; reduce_scatter: the input). Rank 0 prints one JSON
-line {bytes: microseconds per call on the slowest rank}. Same warm-up, time
-budget and median of three rounds as the torch side, and the same
+line {bytes: [microseconds per call on the slowest rank, one per round]}.
+Same warm-up, time budget and rounds as the torch side, and the same
 correctness check on exactly representable values before timing. "fresh"
 rewrites this rank's contribution (zeros) before every timed call, as
 collectives.py --data fresh does on the torch side.
@@ -24,7 +24,7 @@ from fresh import fresh
 from mpi4py import MPI
 
 TIME_BUDGET_S = 0.45
-ROUNDS = 3
+ROUNDS = 5  # as common.ROUNDS; every round is printed
 
 
 def _case(comm, name, size):
@@ -137,7 +137,7 @@ def main():
                 run()
             mine = (time.perf_counter() - t0) / iters
             rounds.append(comm.allreduce(mine, op=MPI.MAX))
-        out[size] = sorted(rounds)[ROUNDS // 2] * 1e6
+        out[size] = [r * 1e6 for r in rounds]
     if comm.Get_rank() == 0:
         print(json.dumps(out))
 

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import _mpi_available, mpirun, run_json  # noqa: E402
+from common import ROUNDS, medians, save, stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 SIZES = [4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-ROUNDS = 5
 
 
 def _worker(rank, world, args):
@@ -63,7 +62,7 @@ def _worker(rank, world, args):
                         dist.recv(t, peer, group=g)
                         dist.send(t, peer, group=g)
                 samples[name].append((time.perf_counter() - t0) / args.iters / 2)
-        out[nbytes] = {name: statistics.median(s) for name, s in samples.items()}
+        out[nbytes] = {name: stats(s) for name, s in samples.items()}
     dist.destroy_process_group()
     return out
 
@@ -85,7 +84,8 @@ def main():
     if not args.no_mpi and _mpi_available():
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_collectives.py")
         cmd = [sys.executable, script, "ping_pong", "static"] + [str(s) for s in SIZES]
-        mpi = {k: v / 2 / 1e6 for k, v in run_json(mpirun(2) + cmd).items()}  # one way, s
+        one_way = run_json(mpirun(2) + cmd).items()  # round trips, us per round
+        mpi = {k: stats(t / 2 / 1e6 for t in v) for k, v in one_way}
     print(f"ping-pong, 2 ranks, one-way latency: median of {ROUNDS} rounds of {args.iters}")
     names = ["dsp", "dsp-gloo", "gloo"] + (["MPI"] if mpi else [])
     print(
@@ -97,6 +97,9 @@ def main():
     for nbytes, r in rows.items():
         if mpi:
             r["MPI"] = mpi[nbytes]
+    save("p2p", [{"bytes": b, **r} for b, r in rows.items()], vars(args))
+    for nbytes, r in rows.items():
+        r = medians(r)
         cells = " | ".join(f"{r[n] * 1e6:>12.1f} {nbytes / r[n] / 1e9:>6.2f}" for n in names)
         ratios = " ".join(f"{r[n] / r['dsp']:>7.2f}x" for n in names[1:])
         print(f"{_size(nbytes):>6} | {cells} | x/dsp: {ratios}")

@@ -3,8 +3,9 @@ against torch.distributed.pipelining on the same model and backend, in one run.
 
     python benchmarks/pipeline.py [--ranks 2] [--micro-batches 8] [--steps 20] [--timeline t.png]
 
-(``--timeline t.png`` writes t_<schedule>.png for each of our schedules: the
-step of median bubble under its plan; ``--timeline ''`` none.)
+(``--timeline`` is docs/figures/pipeline.png by default: it writes
+pipeline_<schedule>.png there for each of our schedules, the step of median
+bubble under its plan; ``--timeline ''`` none.)
 
 ``--ranks`` processes (an MLP of two blocks per rank: one stage of two
 blocks per rank, or two stages of one block: for the V-shaped schedules rank
@@ -14,8 +15,10 @@ ScheduleInterleavedZeroBubble with one stage per rank, ours "zb1p"),
 interleaved 1F1B ("int1f1b") and interleaved zero bubble ("intzb1p": the
 same two classes with two stages per rank), ZBV and DualPipeV under both
 libraries it reports
-the median step time (slowest rank; the six configurations timed in
-interleaved rounds), the measured bubble of our runs (from per-action
+the step time (slowest rank; every configuration timed in interleaved
+rounds; median, min and max over the rounds' medians) against torch's
+schedule of the same name and against torch's fastest schedule on the same
+model, ranks and micro-batches, the measured bubble of our runs (from per-action
 times: 1 - busy / (ranks x span); the median over the timed steps, with its
 range) next to the planned one (the C++ simulator run with each stage's
 mean measured F, B, I and W times in that schedule) and the one replayed
@@ -41,11 +44,10 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROUNDS, interleaved_rounds, round_stats, save  # noqa: E402
 from launch import run_ranks  # noqa: E402
 from memory import SavedBytes  # noqa: E402
-from timing import interleaved_rounds  # noqa: E402
 
-ROUNDS = 4
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -177,13 +179,12 @@ def _worker(rank, world, args):
 
     steppers = {k: step for k, (step, *_) in configs.items()}
     rounds = interleaved_rounds(steppers, ROUNDS, max(1, args.steps // ROUNDS))
-    samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     rows, traces = [], {}
     for (lib, name), (_step, traces_of, peak, forwards, sched) in configs.items():
         row = {
             "lib": lib,
             "schedule": name,
-            "step_s": statistics.median(samples[(lib, name)]),
+            "step_s": round_stats(rounds[(lib, name)]),
             "peak_saved_bytes": peak,
         }
         if lib == "dsparallel":
@@ -197,7 +198,7 @@ def _worker(rank, world, args):
             bubbles = sorted((b, i) for i, b in enumerate(measured))
             median_bubble, median_step = bubbles[len(bubbles) // 2]
             row["bubble_measured"] = median_bubble
-            row["bubble_range"] = (bubbles[0][0], bubbles[-1][0])
+            row["bubble_range"] = [bubbles[0][0], bubbles[-1][0]]
             # Each step replayed with its own action times and no runtime:
             # the schedule's bubble under the compute that happened.
             replays = [pp.bubble(pp.replayed(t)) for t in steps]
@@ -237,9 +238,12 @@ def main():
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--blocks-per-stage", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--timeline", default="pipeline_timeline.png")
+    ap.add_argument("--timeline", default="docs/figures/pipeline.png")
     args = ap.parse_args()
     rows = run_ranks(_worker, args.ranks, args)
+    save("pipeline", rows, vars(args))
+    for r in rows:  # printed below by median
+        r["step_stats"], r["step_s"] = r["step_s"], r["step_s"]["median"]
     print(
         f"{args.ranks} ranks ({args.ranks} stages; {2 * args.ranks} for int1f1b and intzb1p, "
         f"stages r and r + {args.ranks} on rank r, and for zbv and dualpipev, in a V), "
@@ -248,10 +252,11 @@ def main():
         f"{ROUNDS} interleaved rounds; memory: first stage"
     )
     print(
-        f"{'library':>11} {'schedule':>9} {'step ms':>9} {'vs torch':>9} "
+        f"{'library':>11} {'schedule':>9} {'step ms':>9} {'vs torch':>9} {'vs fastest':>10} "
         f"{'bubble meas/plan':>17} {'(range)':>13} {'peak saved MB':>14} {'bound MB':>9}"
     )
     ref = {r["schedule"]: r["step_s"] for r in rows if r["lib"] == "torch"}
+    fastest = min(ref, key=ref.get)
     for r in rows:
         bubble, spread = "-", ""
         if "bubble_measured" in r:
@@ -260,10 +265,12 @@ def main():
             spread = f"({lo:.0%}-{hi:.0%})"
         print(
             f"{r['lib']:>11} {r['schedule']:>9} {r['step_s'] * 1e3:>9.1f} "
-            f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {bubble:>17} {spread:>13} "
+            f"{r['step_s'] / ref[r['schedule']]:>8.2f}x {r['step_s'] / ref[fastest]:>9.2f}x "
+            f"{bubble:>17} {spread:>13} "
             f"{r['peak_saved_bytes'] / 2**20:>14.2f} "
             + (f"{r['memory_bound'] / 2**20:>9.2f}" if "memory_bound" in r else f"{'-':>9}")
         )
+    print(f"torch's fastest schedule here: {fastest}")
     ours = {r["schedule"]: r for r in rows if r["lib"] == "dsparallel"}
     for name, r in ours.items():
         d = r["breakdown"]

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+from common import save
 from launch import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def _segment_bytes(rank, world):
     return n
 
 
-def _job(nproc: int, shm_mb: int) -> str:
+def _job(nproc: int, shm_mb: int) -> tuple[bool, str]:
     cmd = (
         f"mount -t tmpfs -o size={shm_mb}m tmpfs /dev/shm && "
         f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node {nproc} "
@@ -52,8 +53,8 @@ def _job(nproc: int, shm_mb: int) -> str:
     text = out.stdout + out.stderr
     summary = next((ln for ln in text.splitlines() if ln.startswith("summary:")), None)
     if out.returncode == 0 and summary:
-        return "ran (" + summary[:60] + "...)"
-    return f"FAILED rc={out.returncode}: " + text.strip().splitlines()[-1][:200]
+        return True, "ran (" + summary[:60] + "...)"
+    return False, f"FAILED rc={out.returncode}: " + text.strip().splitlines()[-1][:200]
 
 
 def main():
@@ -62,12 +63,17 @@ def main():
     p.add_argument("--job", type=int, nargs="*", default=[], metavar="MB")
     args = p.parse_args()
     print("ranks  segment bytes per group (default DSP_CHUNK_BYTES, DSP_P2P_RING_BYTES)")
+    rows = []
     for w in args.worlds:
-        n = run_ranks(_segment_bytes, w)
+        n = run_ranks(_segment_bytes, w)  # exact: read from the backend, not timed
+        rows.append({"world": w, "segment_bytes": n})
         print(f"{w:5d}  {n:12d}  ({n / 1e6:.1f} MB)", flush=True)
     for mb in args.job:
         for nproc in (4, 8):
-            print(f"GPT job, {nproc} ranks, /dev/shm of {mb} MB: {_job(nproc, mb)}", flush=True)
+            ran, what = _job(nproc, mb)
+            rows.append({"job_ranks": nproc, "shm_mb": mb, "ran": ran})
+            print(f"GPT job, {nproc} ranks, /dev/shm of {mb} MB: {what}", flush=True)
+    save("shm_size", rows, vars(args))
 
 
 if __name__ == "__main__":

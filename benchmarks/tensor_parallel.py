@@ -1,6 +1,6 @@
 """Tensor-parallel transformer block: dsparallel against torch's tensor parallel.
 
-    python benchmarks/tensor_parallel.py [--world 2] [--steps 12] [--json out.json]
+    python benchmarks/tensor_parallel.py [--world 2] [--steps 20]
 
 A block is self-attention (QKV and output projection) plus an MLP (4x hidden),
 each with a residual. For each size it times forward + backward (median step,
@@ -21,16 +21,13 @@ backend, and ours at group size 1 / plain.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROUNDS, interleaved_rounds, medians, round_stats, save  # noqa: E402
 from launch import run_ranks  # noqa: E402
-from timing import interleaved_rounds  # noqa: E402
 
-ROUNDS = 4
 # (batch, seq, hidden, heads)
 SIZES = [(4, 32, 128, 4), (4, 64, 512, 8), (4, 128, 1024, 16)]
 
@@ -127,15 +124,14 @@ def _worker(rank, world, steps, warmup):
         steppers = {k: (lambda b=b: step(b)) for k, b in blocks.items()}
         rounds = interleaved_rounds(steppers, ROUNDS, max(1, steps // ROUNDS), warmup)
         row = {"batch": batch, "seq": seq, "hidden": hidden, "heads": heads}
-        row.update(
-            {k: statistics.median(statistics.median(r) for r in v) for k, v in rounds.items()}
-        )
+        row.update({k: round_stats(v) for k, v in rounds.items()})
         rows.append(row)
     dist.destroy_process_group()
     return rows
 
 
 def _format(rows, world):
+    rows = [medians(r) for r in rows]
     lines = [
         f"{'batch x seq x hidden (heads)':>30} {'torch TP ms':>12} {'ours TP ms':>11} "
         f"{'ours/torch':>10}   (backend)"
@@ -161,7 +157,6 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json")
     args = ap.parse_args()
     rows = run_ranks(_worker, args.world, args.steps, args.warmup)
     print(
@@ -169,9 +164,7 @@ def main():
         f"median of {ROUNDS} interleaved rounds of {max(1, args.steps // ROUNDS)}-step medians"
     )
     print(_format(rows, args.world))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save("tensor_parallel", rows, vars(args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Memory per rank and step time of sharded optimizers over "dsp".
 
-    python benchmarks/zero.py [--worlds 2 4] [--repeats 3] [--png zero.png]
+    python benchmarks/zero.py [--worlds 2 4] [--repeats 5] [--png docs/figures/zero-memory.png]
 
 On an MLP of ``layers`` Linear(width, width) layers (12 x 2048: 50M
 parameters), one run per configuration and world size, each rank measures
@@ -37,6 +37,7 @@ import resource
 import statistics
 import time
 
+from common import save, stats
 from launch import run_ranks
 
 CONFIGS = [
@@ -183,16 +184,16 @@ def main():
     p.add_argument(
         "--repeats",
         type=int,
-        default=3,
+        default=5,
         help="runs per configuration, round-robin over the configurations; the step "
-        "time is the median of the runs' medians (runs drift by about 10%% here)",
+        "time's median, min and max are over the runs' medians",
     )
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS)
     p.add_argument("--png", help="stacked bars of memory per rank")
     args = p.parse_args()
     n = args.layers * (args.width * args.width + args.width)
     print(f"MLP {args.layers} x Linear({args.width}, {args.width}): {n / 1e6:.1f}M params, fp32")
-    results = {}
+    results, rows = {}, []
     for world in args.worlds:
         print(f"\n{world} ranks over dsp (rank 0; MB)")
         print(
@@ -212,6 +213,14 @@ def main():
             every = [run[0]["step"] for run in runs[config]]
             r[0]["step"] = statistics.median(every)
             results[(world, config)] = r
+            rows.append(
+                {
+                    "world": world,
+                    "config": config,
+                    "step_s": stats(every),
+                    **{k: [x[k] for x in r] for k in ("params", "grads", "state", "rss")},
+                }
+            )
             base = base or r[0]
             mb = 1e6
             print(
@@ -226,6 +235,7 @@ def main():
                 states = [x["state"] for x in r]
                 print(f"{'':>21}   opt state per rank (MB): {[round(s / mb, 1) for s in states]}")
         _compare(results, world)
+    save("zero", rows, vars(args))
     if args.png:
         import matplotlib
 

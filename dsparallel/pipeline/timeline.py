@@ -7,7 +7,7 @@ import statistics
 
 import torch.distributed as dist
 
-from .schedule import Schedule
+from .schedule import Action, Schedule
 
 _COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#c44e52"}
 _KINDS = "FBIW"  # the order of a cost tuple, as Schedule.validate takes it
@@ -67,10 +67,9 @@ def bubble(trace: Trace) -> float:
 
 
 def parse_action(text: str) -> tuple[int, str, int]:
-    """ "1I3" -> (1, "I", 3)."""
-    i = len(text) - len(text.lstrip("0123456789"))
-    j = len(text.rstrip("0123456789"))
-    return int(text[:i]), text[i:j], int(text[j:])
+    """ "1I3" -> (1, "I", 3), by the C++ parser the schedules are read with."""
+    a = Action.parse(text)
+    return a.stage, a.kind, a.microbatch
 
 
 def _inputs_of(stage: int, kind: str, mb: int, last_stage: int) -> list[tuple[int, str, int]]:
