@@ -42,6 +42,18 @@ def record_torch_version():
 
 record_torch_version()
 
+
+class BuildExt(BuildExtension):
+    """torch's BuildExtension with one object folder per source tree
+    (build/ext): the editable install the tests use and the wheel CI packages
+    share it, so ninja compiles each source once and the wheel only links.
+    An explicit --build-temp still wins."""
+
+    def initialize_options(self):
+        super().initialize_options()
+        self.build_temp = os.path.join(ROOT, "build", "ext")
+
+
 ext = CppExtension(
     name="dsparallel._C",
     sources=sources(),
@@ -56,5 +68,5 @@ setup(
     packages=find_packages(include=["dsparallel", "dsparallel.*"]),
     py_modules=["dsparallel_autoload"],
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

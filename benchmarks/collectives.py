@@ -430,6 +430,7 @@ def _plot(rows, path):
         ax.set_title(f"{coll}, {n} ranks")
         ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 

@@ -92,6 +92,7 @@ def _plot(rows, path):
     b.invert_yaxis()
     fig.suptitle("GPT job, 4 CPU processes")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -221,6 +221,7 @@ def _plot(path, runs):
     axes[0].set_ylabel("share of block 0's assignments")
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -33,6 +33,7 @@ and gradients with plain / N.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -255,6 +256,7 @@ def main():
             ax.set_xticks(range(len(args.configs)), args.configs, rotation=30, ha="right")
             ax.legend()
         fig.tight_layout()
+        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
         fig.savefig(args.png)
         print(f"\nwrote {args.png}")
 

@@ -234,9 +234,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("stage"), py::arg("num_ranks"), py::arg("placement") = "loop");
   // torch.ops.dsparallel.all_reduce_ without the dispatcher's boxed call from
   // Python: dsparallel.ops.all_reduce_ calls this for tensors outside autograd
-  // (at world size 1, 1.6-1.7 us a call against the torch op's 4.2-4.5 us:
-  // benchmarks/results/collectives-deepspeed-intel-2026-12-03.txt). Bumps
-  // the version counter, as an in-place op does.
+  // (the boxed call costs a few microseconds, as much as a small all-reduce;
+  // benchmarks/collectives.py times both). Bumps the version counter, as an
+  // in-place op does.
   m.def(
       "all_reduce_",
       [](at::Tensor t, const std::string& group_name, const std::string& op) {

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from . import _C
@@ -51,14 +52,10 @@ _UNSUPPORTED_KWARGS = {
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """All tensors in a (nested) forward output, for the unused-parameter search."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors_in(o)]
-    return []
+    """All tensors in a (nested) forward output, for the unused-parameter
+    search: torch's pytree walk, which also knows namedtuples, dataclasses
+    and any container registered with it (as torch's DDP walks outputs)."""
+    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 class DistributedDataParallel(nn.Module):

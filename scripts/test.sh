@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/stages.sh
 PY=${PYTHON:-python3}
+export NO_MKDOCS_2_WARNING=1  # mkdocs-material's banner about its successor
 
 # Stages run in a `||` context, where `set -e` does not act: each function
 # below passes on its failures itself.

@@ -32,8 +32,7 @@ at::Tensor FlatBucket::view(size_t k, const at::Tensor& like) const {
 
 // One _foreach_copy_ per direction: on a GPU it copies up to a hundred-odd
 // tensors per kernel launch, where a copy_ per tensor pays a launch each
-// (measured on an H200, benchmarks/gpu.py: 200 tensors, 105 MB, went from
-// 18.9 to 62.8 GB/s).
+// (benchmarks/gpu.py packs 200 tensors).
 void FlatBucket::pack(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> views, sources;
   views.reserve(members.size());

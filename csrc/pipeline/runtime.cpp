@@ -77,14 +77,13 @@ int64_t payloadBytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
 // copying 512 KiB into a one-message buffer costs more (tens of us, and the
 // buffer's fresh pages) than a second message, and on one host "dsp" reads a
 // payload this large in place, from the stage's output itself
-// (benchmarks/results/p2p-single-copy-2026-12-03.txt).
+// (benchmarks/p2p.py).
 constexpr int64_t kPayloadAloneBytes = int64_t{512} << 10;
 
 // Between two compute actions an operator costs 5-15 us: three views of a
 // received message took 12 us there, against 1.5 us when repeated back to
-// back (the dispatcher's code has left the caches during the compute;
-// benchmarks/results/pipeline-2026-12-02.txt), several times a transfer's
-// copy. So the transfers allocate (at::detail::empty_cpu), copy and view
+// back (the dispatcher's code has left the caches during the compute),
+// several times a transfer's copy. So the transfers allocate (at::detail::empty_cpu), copy and view
 // their buffers without dispatching operators.
 
 // The payload of a one-message activation, as a tensor over its bytes (which
@@ -171,9 +170,8 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   // ones travel as one message of the known size: header, then payload.
   const bool alone = expected < 0 || expected >= kPayloadAloneBytes;
   // Over "dsp" the header and the payload meet in the receiver's ring, not
-  // in a buffer here first: dropping that allocation and copy took 2-5 us
-  // off a 64 KB activation's send, 11-16 us before
-  // (benchmarks/results/pipeline-send-with-head-amd-2026-12-04.txt).
+  // in a buffer here first: that allocation and copy cost more than the
+  // ring copy of a 64 KB activation.
   auto* framed = !alone && out.is_cpu() && out.is_contiguous()
                      ? dynamic_cast<ProcessGroupDSP*>(&backendFor(out))
                      : nullptr;

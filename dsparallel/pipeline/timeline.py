@@ -252,7 +252,7 @@ def _draw(ax, trace: Trace) -> None:
     t0 = min((s for rank in trace for _, s, _ in rank), default=0.0)
     for r, rank in enumerate(trace):
         for text, s, e in rank:
-            kind = text.lstrip("0123456789")[:1]
+            kind = parse_action(text)[1][:1]
             ax.broken_barh(
                 [(s - t0, e - s)], (r - 0.4, 0.8), color=_COLORS[kind], edgecolor="white"
             )

@@ -43,7 +43,7 @@ TEST(PipelineSchedule, ZeroBubbleH1MatchesThePaper) {
       }
     }
   }
-  // The numbers: 2 stages, 13/15 of 1F1B's time at 4 micro-batches,
+  // The zero-bubble paper's numbers: 2 stages, 13/15 of 1F1B's time at 4 micro-batches,
   // 25/27 at 8.
   EXPECT_EQ(validate(makeSchedule("zb1p", 2, 4), paper).makespan, 13);
   EXPECT_EQ(validate(makeSchedule("1f1b", 2, 4), paper).makespan, 15);

@@ -1,11 +1,11 @@
-"""Every example runs to completion under torchrun (small sizes)."""
+"""Every example runs to completion as torchrun runs it (small sizes)."""
 
 import os
 import subprocess
 import sys
 
 import pytest
-from dist_utils import free_port
+from dist_utils import free_port, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +27,12 @@ def _torchrun(script, *args, nproc=2, check=True):
     return _run(cmd, check)
 
 
+def _launch(script, *args, nproc=2):
+    """The example as torchrun runs it, in forked ranks (dist_utils.run_script);
+    rank 0's output. test_train_gpt_default_layout_runs keeps a real torchrun."""
+    return run_script(os.path.join(ROOT, "examples", script), *args, nproc=nproc)
+
+
 def _run(cmd, check=True):
     """Runs cmd; its stdout (check: it must succeed), else the whole result."""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -38,24 +44,24 @@ def _run(cmd, check=True):
 
 @pytest.mark.parametrize("ddp", ["dsparallel", "torch"])
 def test_ddp_simple(ddp):
-    out = _torchrun("ddp_simple.py", "--steps", "150", "--ddp", ddp)
+    out = _launch("ddp_simple.py", "--steps", "150", "--ddp", ddp)
     assert "replicas identical" in out
 
 
 def test_gradient_accumulation():
-    out = _torchrun("gradient_accumulation.py", "--steps", "120", "--micro-batches", "3")
+    out = _launch("gradient_accumulation.py", "--steps", "120", "--micro-batches", "3")
     assert "loss" in out and "done" in out
 
 
 def test_pipeline_example_writes_its_timeline(tmp_path):
     png = tmp_path / "timeline.png"
-    out = _torchrun("pipeline.py", "--steps", "100", "--timeline", str(png))
+    out = _launch("pipeline.py", "--steps", "100", "--timeline", str(png))
     assert "done: 2 stages" in out and "bubble: measured" in out
     assert png.stat().st_size > 1000
 
 
 def test_tensor_parallel_example_learns():
-    out = _torchrun("tensor_parallel.py", "--steps", "60")
+    out = _launch("tensor_parallel.py", "--steps", "60")
     done = next(line for line in out.splitlines() if line.startswith("done:"))
     first, last = (float(v) for v in done.split("loss ")[1].split(",")[0].split(" -> "))
     assert last < first - 1.0, done
@@ -89,7 +95,7 @@ def test_train_gpt_default_layout_runs(tmp_path):
 
 
 def test_moe_example_learns_and_keeps_replicas_equal():
-    out = _torchrun("moe.py", "--steps", "40", "--shared-experts", "1")
+    out = _launch("moe.py", "--steps", "40", "--shared-experts", "1")
     done = next(line for line in out.splitlines() if line.startswith("done:"))
     first, last = (float(v) for v in done.split("loss ")[1].split(";")[0].split(" -> "))
     assert last < first - 1.0, done

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import run_ranks, run_script
 from test_examples import ROOT, _torchrun
 
 import dsparallel
@@ -66,9 +66,10 @@ def _assert_same_losses(got, want, rtol):
     )
 
 
-def _run_job(tmp_path, name, *args):
+def _run_job(tmp_path, name, *args, nproc=4):
     out_file = tmp_path / f"{name}.json"
-    _torchrun("train_gpt.py", *SMALL, "--plot", "", "--losses", str(out_file), *args, nproc=4)
+    job = os.path.join(ROOT, "examples", "train_gpt.py")
+    run_script(job, *SMALL, "--plot", "", "--losses", str(out_file), *args, nproc=nproc)
     return json.loads(out_file.read_text())
 
 
@@ -131,15 +132,7 @@ def test_gpt_zero_matches_one_process_and_resumes(tmp_path, reference, stage):
     _assert_same_losses(resumed, history, rtol=1e-6)
     # At another data-parallel size (2 ranks: tp 2 x dp 1) the optimizer
     # state is resharded from both saved replicas' shards.
-    out_file = tmp_path / "zdp1.json"
-    _torchrun(
-        "train_gpt.py",
-        *SMALL,
-        *("--plot", "", "--losses", str(out_file), "--steps", str(STEPS)),
-        *("--resume", str(ckpt), *layout),
-        nproc=2,
-    )
-    dp1 = json.loads(out_file.read_text())
+    dp1 = _run_job(tmp_path, "zdp1", "--steps", str(STEPS), "--resume", str(ckpt), *layout, nproc=2)
     assert [s for s, _ in dp1] == list(range(1, STEPS + 1))
     _assert_same_losses(dp1, history, rtol=1e-5)
 

@@ -273,7 +273,10 @@ def test_two_network_namespaces_joined_by_veth():
         for step in steps:
             done = _netns(step)
             # A failure here is the environment's, not our code's.
-            require(done.returncode == 0, f"cannot build the veth pair: ip {' '.join(step)}: {done.stderr}")
+            require(
+                done.returncode == 0,
+                f"cannot build the veth pair: ip {' '.join(step)}: {done.stderr}",
+            )
         out = _agents(
             2,
             2,

@@ -1,8 +1,9 @@
 """dsparallel as an installed package: "dsp" without ``import dsparallel``
 (torch's backend entry point), the autoload switch, and the clear error when
-the extension was built against another torch. (CI also builds the sdist
-and a wheel and runs tests/package/smoke.py from each, in fresh virtual
-environments: scripts/package_check.sh.)"""
+the extension was built against another torch. (CI also installs the wheel
+into a fresh virtual environment, runs tests/package/smoke.py there, and
+checks that the sdist holds every source the wheel was built from:
+scripts/package_check.sh.)"""
 
 import os
 import subprocess

@@ -13,7 +13,6 @@ import textwrap
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import free_port, require, run_ranks

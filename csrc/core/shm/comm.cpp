@@ -730,10 +730,9 @@ void ShmComm::allGather(const void* in, size_t bytes, void* const* outs,
 // all_gather and gather share this loop: in gather only the root reads.
 // Both go through the slots at every size. Reading each peer's input in
 // place (process_vm_readv, one copy instead of two) won from 4 MB on one
-// 2-core VM and lost 1.1-2.2x from 256 KB on another, whose kernel copy runs
-// at a quarter of memcpy's speed (benchmarks/results/
-// gather-single-copy-amd-2026-12-04.txt); point-to-point keeps it, where it
-// replaces gloo rather than a memcpy.
+// machine and lost up to 2x from 256 KB on another, whose kernel copy ran at
+// a quarter of memcpy's speed; point-to-point keeps it, where it replaces
+// gloo rather than a memcpy.
 void ShmComm::gather(const void* in, size_t bytes, void* const* outs,
                      const CallInfo& info) {
   begin(info);

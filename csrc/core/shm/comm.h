@@ -89,11 +89,11 @@ class PeerError : public std::runtime_error {
 // L2, 512 KiB elsewhere. A step of the 2-rank all-reduce touches about 4.5
 // chunks per rank (its input piece, both halves of its slot, the peer's
 // slices, its output piece): 2.3 MiB at 512 KiB, more than such an L2 holds.
-// Measured with benchmarks/collectives.py: on a 2-core Intel Xeon VM (2 MiB
+// Measured with benchmarks/collectives.py: on a 2-core Intel Xeon (2 MiB
 // L2), 256 KiB took 2-rank 1-4 MB all-reduces to 0.63-0.92x the time of
 // 512 KiB (1 and 2 MiB were no better than 512 KiB), and 4 ranks sharing
-// its 2 cores saw no difference beyond their noise; on the AMD EPYC
-// reference (32 MiB L3, whose Zen 3/4 cores have 0.5-1 MiB of L2) 512 KiB
+// its 2 cores saw no difference beyond their noise; on a 2-core AMD EPYC
+// (32 MiB L3, whose Zen 3/4 cores have 0.5-1 MiB of L2) 512 KiB
 // was no slower than 1 MiB, and it lets a 4-rank tp x pp job fit in a
 // container's 64 MB /dev/shm.
 size_t defaultChunkBytes();

@@ -1,0 +1,636 @@
+"""Writes docs/performance.md and the README's headline table from the JSON
+under benchmarks/results/ (one file per benchmark and machine class, written
+by the benchmarks through benchmarks/common.py).
+
+    python benchmarks/report.py           # regenerate both
+    python benchmarks/report.py --check   # exit 1 if either differs from what it would write
+
+Nothing here measures: every number printed comes from a results file, so
+the same files always give the same bytes. Times are medians over the
+repeats with [min-max]; a ratio a / b is the ratio of the medians with the
+range min(a) / max(b) to max(a) / min(b) beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PERFORMANCE = os.path.join(ROOT, "docs", "performance.md")
+README = os.path.join(ROOT, "README.md")
+BEGIN, END = "<!-- performance table: begin -->", "<!-- performance table: end -->"
+
+
+# --- formatting -------------------------------------------------------------
+
+
+def size(b: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift} {unit}"
+    return f"{b} B"
+
+
+def num(x: float) -> str:
+    """Three significant figures, no exponent for the ranges we print."""
+    if x == 0:
+        return "0"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    if abs(x) >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def t(s: dict, scale: float = 1.0) -> str:
+    """A quantity's median [min-max], each times ``scale``."""
+    return f"{num(s['median'] * scale)} [{num(s['min'] * scale)}-{num(s['max'] * scale)}]"
+
+
+def ratio(a: dict, b: dict) -> str:
+    """a / b: the medians' ratio and its range."""
+    mid = a["median"] / b["median"]
+    return f"{mid:.2f}x ({a['min'] / b['max']:.2f}-{a['max'] / b['min']:.2f})"
+
+
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + [""]
+
+
+def machine_line(m: dict) -> str:
+    return (
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']:g} GiB; torch {m['torch']}; "
+        f"commit {m['commit']}, {m['date']}"
+    )
+
+
+# --- the results ------------------------------------------------------------
+
+
+def load() -> dict[str, list[dict]]:
+    """benchmark -> its result files (one per machine class), by file name."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        with open(path) as f:
+            r = json.load(f)
+        r["file"] = os.path.relpath(path, ROOT)
+        out.setdefault(r["benchmark"], []).append(r)
+    return out
+
+
+def _floor(r):
+    lines = [
+        "An 8-byte all-reduce between two processes over gloo, beside the loopback",
+        "TCP round trip of 8 bytes between two Python processes on the same machine",
+        '(the least any TCP transport can take for an exchange) and over "dsp".',
+        "",
+    ]
+    rows = []
+    for row in r["rows"]:
+        tcp = row["tcp_round_trip"]
+        for name, label in (
+            ("tcp_round_trip", "loopback TCP round trip"),
+            ("gloo_all_reduce", "gloo all-reduce"),
+            ("dsp_all_reduce", '"dsp" all-reduce'),
+        ):
+            rows.append([label, t(row[name]), ratio(row[name], tcp)])
+    return lines + table(["8 bytes, 2 processes", "us per call", "/ TCP round trip"], rows)
+
+
+def _collectives(r):
+    rows_in = r["rows"]
+    engines = [
+        ("dsp", '"dsp"'),
+        ("dsp-op", "direct op"),
+        ("gloo", "gloo"),
+        ("mpi", "Open MPI"),
+        ("deepspeed", "DeepSpeed shm"),
+    ]
+    present = [(k, n) for k, n in engines if any(k in row for row in rows_in)]
+    lines = [
+        'Time per call in microseconds (`dist.all_reduce` for "dsp" and gloo;',
+        "`dsparallel.ops.all_reduce_` for the direct op; mpi4py for Open MPI;",
+        "DeepSpeed's CPU shared-memory all-reduce), float32, same run. Ratios are",
+        '"dsp"\'s time over the other\'s: below 1.0x "dsp" is faster.',
+        "",
+    ]
+    for coll in sorted({row["collective"] for row in rows_in}):
+        for world in sorted({row["world"] for row in rows_in}):
+            sel = [x for x in rows_in if x["collective"] == coll and x["world"] == world]
+            if not sel:
+                continue
+            lines.append(f"**{coll}, {world} ranks**")
+            lines.append("")
+            others = [(k, n) for k, n in present if k not in ("dsp", "dsp-op")]
+            head = ["size"] + [n for _, n in present] + [f'"dsp" / {n}' for _, n in others]
+            body = []
+            for row in sel:
+                cells = [size(row["bytes"])]
+                cells += [t(row[k]["us"]) if k in row else "-" for k, _ in present]
+                cells += [
+                    ratio(row["dsp"]["us"], row[k]["us"]) if k in row else "-" for k, _ in others
+                ]
+                body.append(cells)
+            lines += table(head, body)
+    return lines
+
+
+def _p2p(r):
+    names = [n for n in ("dsp", "dsp-gloo", "gloo", "MPI") if n in r["rows"][0]]
+    lines = [
+        'Ping-pong between two ranks: one-way latency in microseconds. "dsp-gloo" is',
+        '"dsp" with `DSP_P2P_SINGLE_COPY=0` (large messages over gloo). Ratios:',
+        '"dsp" over the other.',
+        "",
+    ]
+    head = ["size"] + names + [f'"dsp" / {n}' for n in names[1:]]
+    body = []
+    for row in r["rows"]:
+        cells = [size(row["bytes"])] + [t(row[n], 1e6) for n in names]
+        cells += [ratio(row["dsp"], row[n]) for n in names[1:]]
+        body.append(cells)
+    return lines + table(head, body)
+
+
+DDP_CONFIGS = ["torch/gloo", "torch/dsp", "dsparallel/gloo", "dsparallel/dsp"]
+
+
+def _ddp(r):
+    lines = [
+        "Training step (forward, backward with gradient sync, SGD) in milliseconds,",
+        "slowest rank; `local` is the same step with no communication. Ratios",
+        'against torch\'s DDP over gloo (what users run by default) and over "dsp".',
+        "",
+    ]
+    body = []
+    for row in r["rows"]:
+        for c in DDP_CONFIGS:
+            s = row[f"{c}_s"]
+            body.append(
+                [
+                    row["model"],
+                    c.replace("/", " DDP / "),
+                    t(s, 1e3),
+                    ratio(s, row["torch/gloo_s"]),
+                    ratio(s, row["torch/dsp_s"]),
+                ]
+            )
+        body.append([row["model"], "local (no communication)", t(row["local_s"], 1e3), "", ""])
+    return lines + table(
+        ["model", "configuration", "step ms", "/ torch DDP, gloo", "/ torch DDP, dsp"], body
+    )
+
+
+ZERO_NAMES = {
+    "ddp+adamw": "torch DDP + AdamW (no sharding)",
+    "ddp+torch-zero1": "torch DDP + torch ZeroRedundancyOptimizer (default AdamW)",
+    "ddp+torch-zero1-fused": "torch DDP + torch ZeroRedundancyOptimizer (fused AdamW)",
+    "ours-ddp+adamw": "our DDP + AdamW",
+    "ours-zero1": "our DDP + our ZeroRedundancyOptimizer (stage 1)",
+    "ours-zero2": "our DDP(zero_stage=2) + our ZeroRedundancyOptimizer",
+    "ours-zero2-overlap": "the same, overlap_param_gather=True",
+    "fsdp2": "torch FSDP2 over dsp",
+    "fsdp2-gloo": "torch FSDP2 over gloo",
+}
+
+
+def _zero(r):
+    lines = [
+        f"An MLP of {r['config']['layers']} x Linear({r['config']['width']}, "
+        f'{r["config"]["width"]}), AdamW, over "dsp" unless named. Step time in',
+        "milliseconds; optimizer state and gradients held by rank 0 in MB. The",
+        "baseline at its best is torch's ZeroRedundancyOptimizer with fused AdamW.",
+        "",
+    ]
+    for world in sorted({row["world"] for row in r["rows"]}):
+        sel = {row["config"]: row for row in r["rows"] if row["world"] == world}
+        best = sel.get("ddp+torch-zero1-fused")
+        default = sel.get("ddp+torch-zero1")
+        lines += [f"**{world} ranks**", ""]
+        body = []
+        for config, row in sel.items():
+            body.append(
+                [
+                    ZERO_NAMES.get(config, config),
+                    t(row["step_s"], 1e3),
+                    ratio(row["step_s"], best["step_s"]) if best else "-",
+                    ratio(row["step_s"], default["step_s"]) if default else "-",
+                    f"{row['state'][0] / 1e6:.1f}",
+                    f"{row['grads'][0] / 1e6:.1f}",
+                ]
+            )
+        lines += table(
+            [
+                "configuration",
+                "step ms",
+                "/ torch ZeRO, fused",
+                "/ torch ZeRO, default",
+                "opt state MB",
+                "grads MB",
+            ],
+            body,
+        )
+    if os.path.exists(os.path.join(ROOT, "docs", "figures", "zero-memory.png")):
+        lines += ["![memory per rank by configuration](figures/zero-memory.png)", ""]
+    return lines
+
+
+def _pipeline(r):
+    c = r["config"]
+    rows = r["rows"]
+    torch_rows = {x["schedule"]: x for x in rows if x["lib"] == "torch"}
+    fastest = min(torch_rows, key=lambda k: torch_rows[k]["step_s"]["median"])
+    lines = [
+        f"{c['ranks']} ranks, {c['micro_batches']} micro-batches of "
+        f"{c['batch_size'] // c['micro_batches']}, an MLP of width {c['width']}; the same",
+        "model under every schedule of both libraries, timed in interleaved rounds.",
+        "Step time in milliseconds; ratios against torch's schedule of the same name",
+        f"and against torch's fastest schedule on this model ({fastest}). Bubbles: our",
+        "measured one (median step) and the C++ simulator's plan from the step's mean",
+        "action costs. Saved: bytes autograd held for backward on the first stage.",
+        "",
+    ]
+    body = []
+    for x in rows:
+        same = torch_rows[x["schedule"]]
+        bubble = (
+            f"{x['bubble_measured']:.1%} / {x['bubble_planned']:.1%}"
+            if "bubble_measured" in x
+            else "-"
+        )
+        body.append(
+            [
+                x["lib"],
+                x["schedule"],
+                t(x["step_s"], 1e3),
+                ratio(x["step_s"], same["step_s"]),
+                ratio(x["step_s"], torch_rows[fastest]["step_s"]),
+                bubble,
+                f"{x['peak_saved_bytes'] / 2**20:.2f}",
+            ]
+        )
+    lines += table(
+        [
+            "library",
+            "schedule",
+            "step ms",
+            "/ torch, same schedule",
+            f"/ torch {fastest}",
+            "bubble measured / planned",
+            "saved MiB",
+        ],
+        body,
+    )
+    figures = [x["schedule"] for x in rows if x["lib"] == "dsparallel"]
+    for name in figures:
+        path = f"figures/pipeline_{name}.png"
+        if os.path.exists(os.path.join(ROOT, "docs", path)):
+            lines += [f"![our {name}: a step under its plan]({path})", ""]
+    return lines
+
+
+def _tensor_parallel(r):
+    lines = [
+        "A transformer block (attention + MLP), forward and backward, in",
+        "milliseconds: our layers against torch's `parallelize_module` on the same",
+        "backend, and our layers on a group of one against the plain block.",
+        "",
+    ]
+    body = []
+    for row in r["rows"]:
+        shape = f"{row['batch']} x {row['seq']} x {row['hidden']} ({row['heads']} heads)"
+        for backend in ("dsp", "gloo"):
+            theirs, ours = row[f"torch TP / {backend}"], row[f"ours TP / {backend}"]
+            body.append([shape, backend, t(theirs, 1e3), t(ours, 1e3), ratio(ours, theirs)])
+        plain, one = row["plain"], row["ours, group of 1"]
+        body.append([shape, "group of 1", t(plain, 1e3), t(one, 1e3), ratio(one, plain)])
+    return lines + table(
+        ["batch x seq x hidden", "backend", "torch (or plain) ms", "ours ms", "ours / torch"],
+        body,
+    )
+
+
+def _moe(r):
+    timed = [x for x in r["rows"] if "world" in x]
+    loads = [x for x in r["rows"] if "load" in x]
+    lines = [
+        "Dispatch + combine (forward and backward, the experts left out) in",
+        "milliseconds: our C++ ops against the same built from torch's ops",
+        "(Megatron's recipe), 8 experts, top-2.",
+        "",
+    ]
+    body = []
+    for x in timed:
+        body.append(
+            [
+                f"{x['world']}",
+                f"{x['tokens']} x {x['hidden']}",
+                t(x["ours / dsp"], 1e3),
+                t(x["torch / gloo"], 1e3),
+                t(x["torch / dsp"], 1e3),
+                ratio(x["ours / dsp"], x["torch / gloo"]),
+                ratio(x["ours / dsp"], x["torch / dsp"]),
+            ]
+        )
+    lines += table(
+        [
+            "ranks",
+            "tokens x hidden",
+            "ours / dsp",
+            "torch ops / gloo",
+            "torch ops / dsp",
+            "ours / torch gloo",
+            "ours / torch dsp",
+        ],
+        body,
+    )
+    if loads:
+        lines += ["Busiest expert over the mean load, last tenth of training:", ""]
+        lines += table(
+            ["router", "busiest / mean"],
+            [[x["load"], f"{x['busiest_over_mean']:.2f}"] for x in loads],
+        )
+    if os.path.exists(os.path.join(ROOT, "docs", "figures", "moe-load.png")):
+        lines += ["![expert load over training](figures/moe-load.png)", ""]
+    return lines
+
+
+def _hybrid(r):
+    lines = ["The GPT job in 4-process layouts: training tokens/s per step, and the", ""]
+    lines[-1:] = ["peak MiB held for backward on the busiest rank.", ""]
+    base = r["rows"][0]["tokens_per_s"]
+    body = [
+        [
+            x["layout"],
+            "yes" if x["checkpoint"] else "no",
+            t(x["tokens_per_s"]),
+            ratio(x["tokens_per_s"], base),
+            f"{max(x['saved_mb']):.1f}",
+        ]
+        for x in r["rows"]
+    ]
+    lines += table(["layout", "checkpointing", "tokens/s", "/ dp 4", "held MiB"], body)
+    if os.path.exists(os.path.join(ROOT, "docs", "figures", "hybrid.png")):
+        lines += ["![layouts](figures/hybrid.png)", ""]
+    return lines
+
+
+def _call_cpu(r):
+    lines = [
+        "An 8-byte all-reduce, per call and rank: wall and CPU microseconds.",
+        "`fake` is `dist.all_reduce` on torch's fake group (no communication: torch's",
+        'own per-call cost); `op` our direct op; `dist` `dist.all_reduce` on "dsp".',
+        "",
+    ]
+    body = [
+        [
+            str(x["world"]),
+            x["engine"],
+            t(x["wall_us"]),
+            t(x["cpu_us"]) if "cpu_us" in x else "-",
+        ]
+        for x in r["rows"]
+    ]
+    return lines + table(["ranks", "engine", "wall us", "CPU us"], body)
+
+
+def _core_latency(r):
+    lines = [
+        "The C++ core (`dsp::ShmComm`) against Open MPI, both called from C, no",
+        "Python: microseconds per call.",
+        "",
+    ]
+    body = [
+        [
+            x["collective"],
+            x["data"],
+            str(x["world"]),
+            size(x["bytes"]),
+            t(x["dsp"]),
+            t(x["mpi"]),
+            ratio(x["dsp"], x["mpi"]),
+        ]
+        for x in r["rows"]
+    ]
+    return lines + table(
+        ["collective", "data", "ranks", "size", "core us", "Open MPI us", "core / MPI"], body
+    )
+
+
+def _shm_size(r):
+    lines = ['Shared memory a "dsp" group reserves on a host (default settings).', ""]
+    body = [[str(x["world"]), f"{x['segment_bytes'] / 1e6:.1f}"] for x in r["rows"] if "world" in x]
+    return lines + table(["ranks", "MB per group"], body)
+
+
+def _gpu(r):
+    row = r["rows"][0]
+    lines = [f'{row["world"]} GPU(s): all-reduce, "dsp" (NCCL underneath) against NCCL.', ""]
+    body = [
+        [size(x["bytes"]), t(x["dsp"], 1e6), t(x["nccl"], 1e6), ratio(x["dsp"], x["nccl"])]
+        for x in row["all_reduce"]
+    ]
+    lines += table(["size", '"dsp" us', "nccl us", '"dsp" / nccl'], body)
+    d = row["ddp_step_s"]
+    lines += table(
+        ["DDP step", "ms"],
+        [["torch DDP / nccl", t(d["torch"], 1e3)], ['ours / "dsp"', t(d["ours"], 1e3)]],
+    )
+    return lines
+
+
+SECTIONS = [
+    ("floor", "gloo's floor", "floor.py", _floor),
+    ("collectives", "Collectives", "collectives.py", _collectives),
+    ("p2p", "Point-to-point", "p2p.py", _p2p),
+    ("ddp", "Data parallel (DDP)", "ddp.py", _ddp),
+    ("zero", "ZeRO and FSDP2", "zero.py", _zero),
+    ("pipeline", "Pipeline schedules", "pipeline.py", _pipeline),
+    ("tensor_parallel", "Tensor parallel", "tensor_parallel.py", _tensor_parallel),
+    ("moe", "Expert parallel", "moe.py", _moe),
+    ("hybrid", "Hybrid layouts of the GPT job", "hybrid.py", _hybrid),
+    ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
+    ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
+    ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),
+    ("gpu", "GPU", "gpu.py", _gpu),
+]
+
+
+def performance_md(results: dict[str, list[dict]]) -> str:
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Generated by benchmarks/report.py from benchmarks/results/*.json: do not edit. -->",
+        "",
+        "Every number on this page comes from the results files under",
+        "`benchmarks/results/`, one per benchmark and machine class, written by the",
+        "benchmark named in each section (`python benchmarks/<name>.py`); `python",
+        "benchmarks/report.py` turns them into this page. A time is the median over at",
+        "least five repeats with [min-max]; a ratio a / b is the ratio of the medians,",
+        "with the range min(a) / max(b) to max(a) / min(b) in brackets. Below 1.0x the",
+        "first named takes less time. Each baseline runs in the same processes and run",
+        "as ours, at its defaults and, where it has them, at its best settings.",
+        "",
+        "## Machines",
+        "",
+    ]
+    machines = {}
+    for files in results.values():
+        for r in files:
+            m = r["machine"]
+            machines.setdefault((m["cpu"], m["cores"], m["memory_gib"]), set()).add(
+                (m["torch"], m["commit"], m["date"])
+            )
+    body = [
+        [cpu, str(cores), f"{mem:g}", ", ".join(sorted({x[0] for x in runs}))]
+        for (cpu, cores, mem), runs in sorted(machines.items())
+    ]
+    lines += table(["CPU", "cores", "memory GiB", "torch"], body)
+    for key, title, script, render in SECTIONS:
+        for r in results.get(key, []):
+            lines += [f"## {title}", ""]
+            lines += [f"`benchmarks/{script}` on {machine_line(r['machine'])}.", ""]
+            lines += render(r)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _pick(rows, **want):
+    return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
+
+
+def headline(results: dict[str, list[dict]]) -> str:
+    """The README's table: one line per strategy, ours against the baseline
+    users would otherwise run, at its best."""
+    body = []
+
+    def first(key):
+        return results[key][0] if results.get(key) else None
+
+    if r := first("collectives"):
+        for nbytes in (8, 1 << 20):
+            row = _pick(r["rows"], collective="all_reduce", world=2, bytes=nbytes)
+            if row:
+                for k, name in (("gloo", "gloo"), ("mpi", "Open MPI"), ("deepspeed", "DeepSpeed")):
+                    if k in row:
+                        body.append(
+                            [
+                                f"all-reduce {size(nbytes)}, 2 ranks",
+                                name,
+                                ratio(row["dsp"]["us"], row[k]["us"]),
+                            ]
+                        )
+    if r := first("p2p"):
+        row = _pick(r["rows"], bytes=64 << 10)
+        if row:
+            for k in ("gloo", "MPI"):
+                if k in row:
+                    body.append(["send/recv 64 KiB, one way", k, ratio(row["dsp"], row[k])])
+    if r := first("ddp"):
+        for row in r["rows"]:
+            body.append(
+                [
+                    f"DDP step, {row['model']}, {r['config']['world']} ranks",
+                    "torch DDP over gloo",
+                    ratio(row["dsparallel/dsp_s"], row["torch/gloo_s"]),
+                ]
+            )
+    if r := first("zero"):
+        for world in sorted({x["world"] for x in r["rows"]}):
+            ours = _pick(r["rows"], world=world, config="ours-zero2")
+            best = _pick(r["rows"], world=world, config="ddp+torch-zero1-fused")
+            if ours and best:
+                body.append(
+                    [
+                        f"ZeRO-2 step, {world} ranks",
+                        "torch ZeroRedundancyOptimizer, fused AdamW",
+                        ratio(ours["step_s"], best["step_s"]),
+                    ]
+                )
+    if r := first("pipeline"):
+        ours = [x for x in r["rows"] if x["lib"] == "dsparallel"]
+        theirs = [x for x in r["rows"] if x["lib"] == "torch"]
+        a = min(ours, key=lambda x: x["step_s"]["median"])
+        b = min(theirs, key=lambda x: x["step_s"]["median"])
+        body.append(
+            [
+                f"pipeline step, {r['config']['ranks']} ranks, fastest schedule ({a['schedule']})",
+                f"torch.distributed.pipelining, fastest ({b['schedule']})",
+                ratio(a["step_s"], b["step_s"]),
+            ]
+        )
+    if r := first("tensor_parallel"):
+        row = r["rows"][-1]
+        body.append(
+            [
+                f"tensor-parallel block, hidden {row['hidden']}, 2 ranks",
+                'torch `parallelize_module` over "dsp"',
+                ratio(row["ours TP / dsp"], row["torch TP / dsp"]),
+            ]
+        )
+    if r := first("moe"):
+        timed = [x for x in r["rows"] if x.get("world") == 2]
+        if timed:
+            row = timed[-1]
+            body.append(
+                [
+                    f"MoE dispatch + combine, {row['tokens']} x {row['hidden']}, 2 ranks",
+                    "torch ops over gloo",
+                    ratio(row["ours / dsp"], row["torch / gloo"]),
+                ]
+            )
+    machines = sorted(
+        {machine_line(f["machine"]).split(";")[0] for v in results.values() for f in v}
+    )
+    lines = [BEGIN]
+    lines += table(["measurement", "against", "our time / theirs (range)"], body)
+    lines.append(
+        f"Measured on {'; '.join(machines)}; medians of at least five repeats"
+        " ([docs/performance.md](docs/performance.md) has every table)."
+    )
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def readme_with(table_text: str) -> str:
+    with open(README) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + table_text + tail
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = ap.parse_args()
+    results = load()
+    outputs = {PERFORMANCE: performance_md(results), README: readme_with(headline(results))}
+    stale = []
+    for path, text in outputs.items():
+        with open(path) as f:
+            current = f.read()
+        if current != text:
+            stale.append(os.path.relpath(path, ROOT))
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(text)
+    if args.check and stale:
+        print(f"out of date (run python benchmarks/report.py): {', '.join(stale)}")
+        sys.exit(1)
+    if not args.check:
+        print(f"wrote {', '.join(stale) or 'nothing (up to date)'}")
+
+
+if __name__ == "__main__":
+    main()
