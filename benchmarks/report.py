@@ -131,13 +131,19 @@ def _collectives(r):
             lines.append(f"**{coll}, {world} ranks**")
             lines.append("")
             others = [(k, n) for k, n in present if k not in ("dsp", "dsp-op")]
-            head = ["size"] + [n for _, n in present] + [f'"dsp" / {n}' for _, n in others]
+            # DeepSpeed's op skips torch.distributed's call, as our direct op does.
+            pairs = [("dsp", k, f'"dsp" / {n}') for k, n in others]
+            pairs += [("dsp-op", "deepspeed", "direct op / DeepSpeed shm")] * any(
+                k == "deepspeed" for k, _ in others
+            )
+            head = ["size"] + [n for _, n in present] + [label for _, _, label in pairs]
             body = []
             for row in sel:
                 cells = [size(row["bytes"])]
                 cells += [t(row[k]["us"]) if k in row else "-" for k, _ in present]
                 cells += [
-                    ratio(row["dsp"]["us"], row[k]["us"]) if k in row else "-" for k, _ in others
+                    ratio(row[a]["us"], row[b]["us"]) if a in row and b in row else "-"
+                    for a, b, _ in pairs
                 ]
                 body.append(cells)
             lines += table(head, body)
@@ -516,18 +522,20 @@ def headline(results: dict[str, list[dict]]) -> str:
         return results[key][0] if results.get(key) else None
 
     if r := first("collectives"):
-        for nbytes in (8, 1 << 20):
+        # dist.all_reduce against gloo and MPI; against DeepSpeed's op (no
+        # torch.distributed call on its way) our direct op, which skips it too.
+        for nbytes, against in ((8, ("gloo", "mpi", "deepspeed")), (1 << 20, ("mpi", "deepspeed"))):
             row = _pick(r["rows"], collective="all_reduce", world=2, bytes=nbytes)
-            if row:
-                for k, name in (("gloo", "gloo"), ("mpi", "Open MPI"), ("deepspeed", "DeepSpeed")):
-                    if k in row:
-                        body.append(
-                            [
-                                f"all-reduce {size(nbytes)}, 2 ranks",
-                                name,
-                                ratio(row["dsp"]["us"], row[k]["us"]),
-                            ]
-                        )
+            for k in [k for k in against if row and k in row]:
+                ours = "dsp-op" if k == "deepspeed" else "dsp"
+                body.append(
+                    [
+                        f"all-reduce {size(nbytes)}, 2 ranks"
+                        + (" (direct op)" if ours == "dsp-op" else ""),
+                        {"gloo": "gloo", "mpi": "Open MPI", "deepspeed": "DeepSpeed's shm op"}[k],
+                        ratio(row[ours]["us"], row[k]["us"]),
+                    ]
+                )
     if r := first("p2p"):
         row = _pick(r["rows"], bytes=64 << 10)
         if row:

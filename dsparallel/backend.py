@@ -16,6 +16,18 @@ from . import _C
 
 BACKEND_NAME = "dsp"
 NODE_ID_ENV = "DSP_NODE_ID"
+# Settings that decide the shared-memory layout or the protocol, which every
+# rank of a group must share: a layout that differs would leave the ranks
+# waiting on each other until the group's timeout (a segment too small to
+# attach, an algorithm the peer does not run).
+AGREED_ENV = (
+    "DSP_CHUNK_BYTES",
+    "DSP_P2P_RING_BYTES",
+    "DSP_ONE_SHOT_BYTES",
+    "DSP_P2P_SINGLE_COPY",
+    "DSP_HIER_PIECE_BYTES",
+    "DSP_CHECK_ACROSS_HOSTS",
+)
 
 
 def _read(path: str) -> str:
@@ -52,13 +64,30 @@ def node_id() -> str:
     return f"{machine_id()}/{ipc}/shm:{shm}"
 
 
+def _check_agreed(settings: list[str]) -> None:
+    """Raises, on every rank alike, when the ranks' AGREED_ENV differ."""
+    values = [s.split("\t") for s in settings]
+    for i, name in enumerate(AGREED_ENV):
+        seen = [v[i] for v in values]
+        other = next((r for r, v in enumerate(seen) if v != seen[0]), None)
+        if other is not None:
+            raise ValueError(
+                f"dsp: the ranks of a group must set {name} alike, but it is "
+                f"{seen[0] or 'unset'!r} on rank 0 and {seen[other] or 'unset'!r} on rank "
+                f"{other}"
+            )
+
+
 def _topology(store, rank: int, size: int):
     """Every rank's host through the group's store: the host index of each
     rank (in order of first appearance), and how many ranks share this
-    physical machine (more than a host's when one machine plays several)."""
+    physical machine (more than a host's when one machine plays several).
+    Checks on the way that the ranks agree on AGREED_ENV."""
     me = machine_id()
-    store.set(f"dsp-node/{rank}", f"{node_id()}\n{me}")
+    settings = "\t".join(os.environ.get(name, "") for name in AGREED_ENV)
+    store.set(f"dsp-node/{rank}", f"{node_id()}\n{me}\n{settings}")
     entries = [store.get(f"dsp-node/{r}").decode().split("\n") for r in range(size)]
+    _check_agreed([e[2] for e in entries])
     names = [e[0] for e in entries]
     order = {n: i for i, n in enumerate(dict.fromkeys(names))}
     machine = sum(1 for e in entries if e[1] == me)

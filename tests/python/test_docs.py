@@ -32,3 +32,9 @@ def test_performance_page_and_readme_table_are_the_report_of_the_results():
         text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_readme_stays_a_five_minute_read():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"

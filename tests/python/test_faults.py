@@ -169,3 +169,23 @@ def test_segment_names_unique_and_unlinked():
     second = run_ranks(_segments_body, 2)
     assert first[0] == first[1]
     assert first[0] != second[0]
+
+
+def _layout_mismatch_body(rank, world):
+    from datetime import timedelta
+
+    os.environ["DSP_CHUNK_BYTES"] = str(524288 * (rank + 1))
+    with pytest.raises(ValueError) as caught:
+        # A timeout far past the harness's: waiting on it would fail the test.
+        dist.init_process_group("dsp", timeout=timedelta(seconds=600))
+    return str(caught.value)
+
+
+def test_ranks_with_different_layouts_raise_at_once_naming_both_values():
+    """DSP_CHUNK_BYTES set differently per rank: every rank raises at group
+    creation naming both values, instead of waiting out the group's timeout
+    for a segment of the size it expects."""
+    errors = run_ranks(_layout_mismatch_body, 2, init=False, timeout=60)
+    for e in errors:
+        assert "must set DSP_CHUNK_BYTES alike" in e, e
+        assert "'524288' on rank 0 and '1048576' on rank 1" in e, e
