@@ -19,12 +19,12 @@ NODE_ID_ENV = "DSP_NODE_ID"
 # Settings that decide the shared-memory layout or the protocol, which every
 # rank of a group must share: a layout that differs would leave the ranks
 # waiting on each other until the group's timeout (a segment too small to
-# attach, an algorithm the peer does not run).
+# attach, an algorithm the peer does not run). DSP_P2P_SINGLE_COPY may differ:
+# each pair of ranks agrees on its route when the group is made.
 AGREED_ENV = (
     "DSP_CHUNK_BYTES",
     "DSP_P2P_RING_BYTES",
     "DSP_ONE_SHOT_BYTES",
-    "DSP_P2P_SINGLE_COPY",
     "DSP_HIER_PIECE_BYTES",
     "DSP_CHECK_ACROSS_HOSTS",
 )

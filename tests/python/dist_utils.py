@@ -171,9 +171,9 @@ def _script_body(rank, world, path, argv):
 def run_script(path, *argv, nproc=2, timeout=240) -> str:
     """A torchrun script's job in ranks forked from a server that already
     imported torch (seconds cheaper per rank than torchrun's fresh
-    interpreters); returns rank 0's output. The scripts initialise their own
-    group, as under torchrun."""
-    return run_ranks(_script_body, nproc, path, list(argv), init=False, timeout=timeout)[0]
+    interpreters); returns what the ranks printed, in rank order (torchrun
+    merges them). The scripts initialise their own group, as under torchrun."""
+    return "".join(run_ranks(_script_body, nproc, path, list(argv), init=False, timeout=timeout))
 
 
 def expect_raises(kind, fn, *needles):
