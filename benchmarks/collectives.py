@@ -289,7 +289,7 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
                     run = fresh(run, mine.view(torch.uint8).numpy())
                 runs[name] = run
             # gloo on its own: after a gloo call the shared-memory engines ran
-            # up to 20x slower for a while on the 2-core machine (its threads
+            # up to 20x slower for a while on a 2-core machine (its threads
             # and sockets), which would spoil their ratios to each other.
             gloo = {"gloo": runs.pop("gloo")}
             for part in (gloo, runs):
@@ -308,7 +308,7 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
 def _remove_deepspeed_segments(rank):
     """DeepSpeed's shared-memory all-reduce never unlinks its segments (one
     per rank, named for the job's address and port): left alone, repeated
-    runs filled 9 GB of /dev/shm on the 2-core machine. Each rank removes its
+    runs filled 9 GB of /dev/shm on a 2-core machine. Each rank removes its
     own once the group is gone."""
     import glob
 

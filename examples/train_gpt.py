@@ -420,7 +420,8 @@ def main() -> None:
         loss = train_step(job, corpus, step)
         history.append((step + 1, loss))
         tokens += args.batch_size * args.seq
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
+        rate = f"{tokens / (time.perf_counter() - t0):,.0f}"
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=rate, refresh=False)  # drawn at mininterval
     bar.close()
     elapsed = time.perf_counter() - t0
 
