@@ -47,21 +47,26 @@ def machine_id() -> str:
 def node_id() -> str:
     """This process's host identity: ``$DSP_NODE_ID`` if set (so that tests
     can make one machine act as several hosts), else what decides whether two
-    processes can share memory: the machine, the IPC namespace, and the
-    tmpfs that holds POSIX shared memory (two containers on one machine
-    differ in these, and must then talk over gloo, not look for each other's
-    segments)."""
+    processes can share memory and know each other's process ids: the
+    machine, the IPC namespace, the tmpfs that holds POSIX shared memory, and
+    the PID namespace (two containers on one machine differ in some of these,
+    and must then talk over gloo: a peer's pid from another PID namespace
+    would make the liveness checks and process_vm_readv ask about some other
+    process)."""
     if os.environ.get(NODE_ID_ENV):
         return os.environ[NODE_ID_ENV]
-    try:
-        ipc = os.readlink("/proc/self/ns/ipc")
-    except OSError:
-        ipc = "?"
+
+    def namespace(kind: str) -> str:
+        try:
+            return os.readlink(f"/proc/self/ns/{kind}")
+        except OSError:
+            return "?"
+
     try:
         shm = os.stat("/dev/shm").st_dev
     except OSError:
         shm = "?"
-    return f"{machine_id()}/{ipc}/shm:{shm}"
+    return f"{machine_id()}/{namespace('ipc')}/{namespace('pid')}/shm:{shm}"
 
 
 def _check_agreed(settings: list[str]) -> None:

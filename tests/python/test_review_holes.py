@@ -175,6 +175,50 @@ def test_ranks_in_separate_ipc_namespaces_go_over_gloo():
         assert "OK hierarchical 0" not in o, o  # the hierarchical path ran
 
 
+def test_ranks_in_separate_pid_namespaces_are_two_hosts():
+    """Two ranks that share the IPC namespace and /dev/shm but not the PID
+    namespace (containers of one pod): a peer's pid means nothing to the
+    other, so they must not share a segment, whose liveness checks would
+    then call a waiting peer dead. Rank 0 arrives late so that rank 1 waits
+    (and checks) first; both get correct results over the hierarchical path."""
+    require(_can_unshare("--pid", "--fork"), "needs unshare --pid (root)")
+    script = _job(
+        """
+        import os, time, torch, torch.distributed as dist, dsparallel
+        from datetime import timedelta
+        dist.init_process_group("dsp", timeout=timedelta(seconds=60))
+        rank = dist.get_rank()
+        if rank == 0:
+            time.sleep(2)
+        t = torch.arange(1000.0) * (rank + 1)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(1000.0) * 3), t
+        be = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        print("rank", rank, "OK hierarchical", be.hierarchical_calls, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        """
+    )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env.pop("DSP_NODE_ID", None)
+    launch = [[sys.executable, script], ["unshare", "--pid", "--fork", sys.executable, script]]
+    procs = [
+        subprocess.Popen(
+            launch[r],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, o
+        assert f"rank {r} OK hierarchical" in o, o
+        assert "OK hierarchical 0" not in o, o
+
+
 def _abort_body(rank, world):
     pg = dist.distributed_c10d._get_default_group()
     be = pg._get_backend(torch.device("cpu"))
