@@ -95,12 +95,22 @@ class ShmRecvWork : public ShmP2PWork {
         staged_(t) {
     request_ = p2p_->postRecv(src, tag, staged_.ptr(), staged_.bytes());
   }
+  // A receive dropped before it completed (a failed pipeline step's, one
+  // nobody waited on) is withdrawn before its buffer goes: otherwise a later
+  // drain would copy the next message with its tag into freed memory, and
+  // the receive posted for that message would never get it.
+  ~ShmRecvWork() override { p2p_->cancel(request_); }
   int sourceRank() const override { return p2p_->sourceOf(request_); }
 
  private:
   bool poll() override { return p2p_->test(request_); }
   void block(std::chrono::milliseconds timeout) override {
-    p2p_->wait(request_, timeout);
+    try {
+      p2p_->wait(request_, timeout);
+    } catch (...) {
+      p2p_->cancel(request_);  // failed: the caller may free the tensor now
+      throw;
+    }
   }
   void completed() override { staged_.copyBack(); }
 

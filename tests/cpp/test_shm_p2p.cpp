@@ -75,6 +75,29 @@ TEST(ShmP2P, MatchesByTagInPostingOrder) {
   }));
 }
 
+// A cancelled receive takes nothing: the message with its tag goes to the
+// receive posted after it, and the cancelled buffer is left as it was.
+TEST(ShmP2P, CancelledReceiveTakesNothing) {
+  expectNoErrors(runRanks(2, [](ShmComm& c) {
+    auto& p = c.p2p();
+    if (c.rank() == 0) {
+      c.barrier();  // the receiver has posted and cancelled by now
+      auto v = payload(5, 8);
+      p.send(1, 5, v.data(), v.size() * 4);
+    } else {
+      std::vector<int32_t> stale(8, -1), fresh(8);
+      auto r = p.postRecv(0, 5, stale.data(), stale.size() * 4);
+      p.cancel(r);
+      c.barrier();
+      auto next = p.postRecv(0, 5, fresh.data(), fresh.size() * 4);
+      p.wait(next);
+      EXPECT_EQ(fresh, payload(5, 8));
+      EXPECT_EQ(stale, std::vector<int32_t>(8, -1));
+      p.cancel(next);  // completed: a no-op
+    }
+  }));
+}
+
 // Every rank sends to every other many messages of random sizes through a
 // small ring (it wraps and fills up, and every pair sends both ways at once);
 // every byte arrives in order.

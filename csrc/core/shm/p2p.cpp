@@ -417,6 +417,15 @@ ShmP2P::RequestPtr ShmP2P::postRecv(int src, int64_t tag, void* data, size_t byt
   return r;
 }
 
+void ShmP2P::cancel(const RequestPtr& r) {
+  // Under the receive lock: a drain that has not taken the request by now
+  // never will, and one that has is over.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (r->done) return;
+  const auto it = std::find(posted_.begin(), posted_.end(), r);
+  if (it != posted_.end()) posted_.erase(it);
+}
+
 bool ShmP2P::test(const RequestPtr& r) {
   std::lock_guard<std::mutex> lock(mutex_);
   // After an abort nothing is drained: a posted receive's memory may be gone.

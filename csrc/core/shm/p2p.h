@@ -108,6 +108,11 @@ class ShmP2P {
   // Posts a receive of exactly `bytes` into `data` (which must stay valid
   // until it completes) from `src`, or from any rank when src is -1.
   RequestPtr postRecv(int src, int64_t tag, void* data, size_t bytes);
+  // Withdraws a receive that has not completed: no message is delivered into
+  // its memory afterwards, and the next message with its tag goes to the
+  // next matching receive. A no-op once it has completed. Its owner calls
+  // this before that memory goes (the Work's end, a failed wait).
+  void cancel(const RequestPtr& r);
   // Makes progress without blocking; true once the receive has completed.
   // Throws the receive's error (a size mismatch).
   bool test(const RequestPtr& r);
