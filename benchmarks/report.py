@@ -371,8 +371,11 @@ def _moe(r):
 
 
 def _hybrid(r):
-    lines = ["The GPT job in 4-process layouts: training tokens/s per step, and the", ""]
-    lines[-1:] = ["peak MiB held for backward on the busiest rank.", ""]
+    lines = [
+        "The GPT job in 4-process layouts: training tokens/s per step, and the",
+        "peak MiB held for backward on the busiest rank.",
+        "",
+    ]
     base = r["rows"][0]["tokens_per_s"]
     body = [
         [
