@@ -247,13 +247,13 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   // The weight-gradient store of the split backward (tests and opt-in use).
   m.def("weight_grad_begin",
-        [] { dsparallel::pipeline::WeightGradStore::get().begin(); });
+        [] { dsparallel::pipeline::WeightGradStore::standalone().begin(); });
   m.def("weight_grad_end",
-        [] { return dsparallel::pipeline::WeightGradStore::get().end(); });
+        [] { return dsparallel::pipeline::WeightGradStore::standalone().end(); });
   m.def(
       "weight_grad_run",
-      [](int64_t key) { return dsparallel::pipeline::WeightGradStore::get().run(key); },
+      [](int64_t key) { return dsparallel::pipeline::WeightGradStore::standalone().run(key); },
       py::arg("key"), py::call_guard<py::gil_scoped_release>());
   m.def("weight_grad_pending",
-        [] { return dsparallel::pipeline::WeightGradStore::get().pending(); });
+        [] { return dsparallel::pipeline::WeightGradStore::standalone().pending(); });
 }

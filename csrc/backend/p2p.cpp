@@ -32,7 +32,7 @@ class ShmP2PWork : public c10d::Work {
         pg_(std::move(pg)) {}  // keeps the rings mapped while this is pending
 
   bool isCompleted() override {
-    if (!Work::isCompleted()) {
+    if (!Work::isCompleted() && !claimed_.load()) {
       try {
         if (poll()) done(nullptr);
       } catch (...) {
@@ -43,7 +43,7 @@ class ShmP2PWork : public c10d::Work {
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
-    if (!Work::isCompleted()) {
+    if (!Work::isCompleted() && !claimed_.load()) {
       const bool bounded = timeout != kNoTimeout;
       try {
         block(bounded ? timeout : std::chrono::milliseconds(0));
@@ -65,9 +65,8 @@ class ShmP2PWork : public c10d::Work {
         done(std::current_exception());
       }
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (exception_) std::rethrow_exception(exception_);
-    return true;
+    // Another thread may be completing it (the copy-back): wait for that.
+    return c10d::Work::wait(timeout);
   }
 
  protected:
@@ -78,11 +77,17 @@ class ShmP2PWork : public c10d::Work {
   dsp::ShmP2P* p2p_;
 
  private:
+  // Completes the Work once: two threads may both find the transfer done
+  // (is_completed() polled from two threads, a wait beside a poll), and a
+  // second copy-back would overwrite what the first one's caller has since
+  // written into the tensor.
   void done(std::exception_ptr error) {
+    if (claimed_.exchange(true)) return;
     if (!error) completed();
     finish(error);
   }
 
+  std::atomic<bool> claimed_{false};
   c10::intrusive_ptr<ProcessGroupDSP> pg_;
 };
 

@@ -299,7 +299,10 @@ bool ProcessGroupDSP::runOne(std::unique_lock<std::mutex>& lock) {
   // DDP comm hook) may issue and wait on further collectives.
   work->complete(error);
   lock.lock();
-  if (work.use_count() == 1) finished_.push_back(std::move(work));
+  // Handed to finished_ whoever else holds it: only a caller's thread empties
+  // that list, so the worker never drops the last reference. (Deciding by
+  // use_count() raced with a caller dropping its reference right after.)
+  finished_.push_back(std::move(work));
   cv_.notify_all();
   return true;
 }

@@ -325,8 +325,8 @@ class ProcessGroupDSP : public c10d::Backend {
   std::mutex mutex_;
   std::condition_variable cv_;  // queue changed, or a work finished
   std::deque<c10::intrusive_ptr<WorkDSP>> queue_;
-  // Finished work nobody else references, kept for a caller's thread to drop
-  // (enqueue, runUntil, the destructor). Its tensors may carry Python objects,
+  // Finished work, kept for a caller's thread to drop (enqueue, runUntil,
+  // the destructor), whether or not a caller still holds it. Its tensors may carry Python objects,
   // and the worker thread must not be the one to free them: that takes the
   // GIL, and a non-Python thread taking the GIL while the interpreter exits
   // is terminated mid-destructor (the process aborts).

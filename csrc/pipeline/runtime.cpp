@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "backend/process_group_dsp.h"
@@ -58,13 +59,26 @@ std::string shapeString(at::IntArrayRef shape) {
   return out + "]";
 }
 
-std::pair<std::vector<int64_t>, at::ScalarType> parseHeader(const at::Tensor& message) {
+// A header whose first word is kFailed marks an activation that a failed
+// step sends in place of an output: then come the rank, stage and
+// micro-batch where the step failed.
+constexpr int64_t kFailed = -1;
+
+struct Header {
+  bool failed = false;
+  int64_t rank = -1, stage = -1, microbatch = -1;  // where it failed
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+Header parseHeader(const at::Tensor& message) {
   const int64_t* h = reinterpret_cast<const int64_t*>(message.data_ptr());
+  if (h[0] == kFailed) return {true, h[1], h[2], h[3], {}, at::kFloat};
   TORCH_CHECK(h[0] >= 0 && h[0] <= kMaxDims && h[1] >= 0 &&
                   h[1] < static_cast<int64_t>(kDTypes.size()),
               "dsp pipeline: a corrupt activation header (ndim ", h[0], ", dtype code ",
               h[1], ")");
-  return {std::vector<int64_t>(h + 2, h + 2 + h[0]), kDTypes[h[1]]};
+  return {false, -1, -1, -1, std::vector<int64_t>(h + 2, h + 2 + h[0]), kDTypes[h[1]]};
 }
 
 int64_t payloadBytes(const std::vector<int64_t>& shape, at::ScalarType dtype) {
@@ -115,11 +129,33 @@ Runtime::Runtime(std::vector<dsp::pipeline::Action> actions, int num_stages,
       placement_(placement) {
   TORCH_CHECK_VALUE(group_->getSize() == num_ranks_, "dsp pipeline: the schedule needs ",
                     num_ranks_, " ranks, the group has ", group_->getSize());
+  tags_per_step_ = int64_t{num_stages_} * num_microbatches_ * 4;
+  TORCH_CHECK_VALUE(tags_per_step_ <= std::numeric_limits<int>::max(),
+                    "dsp pipeline: ", num_stages_, " stages x ", num_microbatches_,
+                    " micro-batches need more message tags than an int holds");
+  generations_ = std::numeric_limits<int>::max() / tags_per_step_;
 }
 
 int Runtime::tag(int stage, int mb, bool backward, bool header) const {
-  return ((stage * num_microbatches_ + mb) * 2 + static_cast<int>(backward)) * 2 +
-         static_cast<int>(header);
+  const int64_t in_step =
+      ((int64_t{stage} * num_microbatches_ + mb) * 2 + static_cast<int>(backward)) * 2 +
+      static_cast<int>(header);
+  return static_cast<int>(steps_ % generations_ * tags_per_step_ + in_step);
+}
+
+void Runtime::fail(int stage, int mb, const char* action) {
+  if (failure_.rank >= 0) return;
+  failure_.rank = my_rank_;
+  failure_.stage = stage;
+  failure_.microbatch = mb;
+  failure_.error = std::current_exception();
+  try {
+    std::rethrow_exception(failure_.error);
+  } catch (const std::exception& e) {
+    failure_.what = std::string(action) + ": " + e.what();
+  } catch (...) {
+    failure_.what = std::string(action) + ": an unknown exception";
+  }
 }
 
 c10d::Backend& Runtime::backendFor(const at::Tensor& t) {
@@ -152,12 +188,8 @@ void Runtime::checkShape(int stage, int mb, at::IntArrayRef shape, at::ScalarTyp
               " for the first, ", dtype, " for micro-batch ", mb);
 }
 
-void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
+void Runtime::sendActivation(int stage, int mb, const at::Tensor* out,
                              std::vector<c10::intrusive_ptr<c10d::Work>>& pending) {
-  const auto code = std::find(kDTypes.begin(), kDTypes.end(), out.scalar_type());
-  TORCH_CHECK_VALUE(code != kDTypes.end() && out.dim() <= kMaxDims, "stage ", stage,
-                    " output of dtype ", out.scalar_type(), " and ", out.dim(),
-                    " dims cannot be sent between stages");
   const int dst = rankOf(stage + 1);
   const auto known = shapes_.find(stage);
   // What the receiver expects: the payload of the shape it knows (-1: none
@@ -165,6 +197,21 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   const int64_t expected = known == shapes_.end()
                                ? -1
                                : payloadBytes(known->second.first, known->second.second);
+  if (out != nullptr) {
+    try {
+      const bool sendable =
+          std::find(kDTypes.begin(), kDTypes.end(), out->scalar_type()) !=
+              kDTypes.end() &&
+          out->dim() <= kMaxDims;
+      TORCH_CHECK_VALUE(sendable, "stage ", stage, " output of dtype ",
+                        out->scalar_type(), " and ", out->dim(),
+                        " dims cannot be sent between stages");
+      checkShape(stage, mb, out->sizes(), out->scalar_type());
+    } catch (...) {
+      fail(stage, mb, "forward");
+      out = nullptr;  // sent as failed, in the sizes the receiver expects
+    }
+  }
   // The stage's first activation: the receiver cannot know its size, so the
   // header goes alone and the data follows; so do large ones. Later small
   // ones travel as one message of the known size: header, then payload.
@@ -172,57 +219,49 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor& out,
   // Over "dsp" the header and the payload meet in the receiver's ring, not
   // in a buffer here first: that allocation and copy cost more than the
   // ring copy of a 64 KB activation.
-  auto* framed = !alone && out.is_cpu() && out.is_contiguous()
-                     ? dynamic_cast<ProcessGroupDSP*>(&backendFor(out))
+  auto* framed = !alone && out && out->is_cpu() && out->is_contiguous()
+                     ? dynamic_cast<ProcessGroupDSP*>(&backendFor(*out))
                      : nullptr;
   const int64_t size = alone ? kHeaderLen * 8 : kPayloadOffset + (framed ? 0 : expected);
   at::Tensor message = at::detail::empty_cpu({size}, at::kByte);
   int64_t* h = reinterpret_cast<int64_t*>(message.data_ptr());
   std::fill(h, h + kHeaderLen, 0);
-  h[0] = out.dim();
-  h[1] = code - kDTypes.begin();
-  std::copy(out.sizes().begin(), out.sizes().end(), h + 2);
-  try {
-    checkShape(stage, mb, out.sizes(), out.scalar_type());
-  } catch (...) {
-    // Deliver the header (in a message of the size the receiver expects),
-    // so that it raises the same error instead of waiting for data; and
-    // fill the payload's receive, if it posted one, so that none stays
-    // posted into memory that is gone.
-    if (framed) {
-      framed
-          ->sendWithHead(message, at::detail::empty_cpu({expected}, at::kByte), dst,
-                         tag(stage, mb, false, true))
-          ->wait();
-    } else {
-      send(message, dst, tag(stage, mb, false, true))->wait();
-    }
+  if (out == nullptr) {
+    // A failed step: the header says where it failed; the receiver gets
+    // messages of the sizes it expects, so that none stays posted.
+    h[0] = kFailed;
+    h[1] = failure_.rank;
+    h[2] = failure_.stage;
+    h[3] = failure_.microbatch;
+    pending.push_back(send(message, dst, tag(stage, mb, false, true)));
     if (alone && expected >= 0) {
-      send(at::detail::empty_cpu({expected}, at::kByte), dst,
-           tag(stage, mb, false, false))
-          ->wait();
+      pending.push_back(send(at::detail::empty_cpu({expected}, at::kByte), dst,
+                             tag(stage, mb, false, false)));
     }
-    throw;
+    return;
   }
+  h[0] = out->dim();
+  h[1] = std::find(kDTypes.begin(), kDTypes.end(), out->scalar_type()) - kDTypes.begin();
+  std::copy(out->sizes().begin(), out->sizes().end(), h + 2);
   if (alone) {
     // Received into host memory, as the one-message form is; no operator
     // is dispatched for an output already there (see above).
     const at::Tensor payload =
-        out.is_cpu() && out.is_contiguous() ? out : out.contiguous().cpu();
+        out->is_cpu() && out->is_contiguous() ? *out : out->contiguous().cpu();
     pending.push_back(send(message, dst, tag(stage, mb, false, true)));
     pending.push_back(send(payload, dst, tag(stage, mb, false, false)));
     return;
   }
   if (framed) {
     pending.push_back(
-        framed->sendWithHead(message, out, dst, tag(stage, mb, false, true)));
+        framed->sendWithHead(message, *out, dst, tag(stage, mb, false, true)));
     return;
   }
-  if (out.is_cpu() && out.is_contiguous()) {
-    std::memcpy(static_cast<char*>(message.data_ptr()) + kPayloadOffset, out.data_ptr(),
-                out.nbytes());
+  if (out->is_cpu() && out->is_contiguous()) {
+    std::memcpy(static_cast<char*>(message.data_ptr()) + kPayloadOffset, out->data_ptr(),
+                out->nbytes());
   } else {
-    payloadOf(message, known->second.first, known->second.second).copy_(out);
+    payloadOf(message, known->second.first, known->second.second).copy_(*out);
   }
   pending.push_back(send(message, dst, tag(stage, mb, false, true)));
 }
@@ -247,25 +286,73 @@ void Runtime::prefetchActivation(int stage, int mb) {
   posted_.emplace(key, std::move(p));
 }
 
-at::Tensor Runtime::receiveActivation(int stage, int mb) {
+MaybeTensor Runtime::receiveActivation(int stage, int mb) {
   const int src = rankOf(stage - 1);
+  Header header;
+  at::Tensor data, message;
   if (!shapes_.count(stage - 1)) {  // the stage's first activation: header, then data
-    const at::Tensor h = at::empty({kHeaderLen * 8}, at::kByte);
-    recv(h, src, tag(stage - 1, mb, false, true))->wait();
-    const auto [shape, dtype] = parseHeader(h);
-    checkShape(stage - 1, mb, shape, dtype);
-    const at::Tensor d = at::empty(shape, at::TensorOptions(dtype));
-    recv(d, src, tag(stage - 1, mb, false, false))->wait();
-    return d;
+    message = at::empty({kHeaderLen * 8}, at::kByte);
+    recv(message, src, tag(stage - 1, mb, false, true))->wait();
+    header = parseHeader(message);
+    if (!header.failed) {
+      data = at::empty(header.shape, at::TensorOptions(header.dtype));
+      recv(data, src, tag(stage - 1, mb, false, false))->wait();
+    }
+  } else {
+    prefetchActivation(stage, mb);  // if not posted ahead
+    const auto posted = posted_.find({false, stage, mb});
+    Posted p = std::move(posted->second);
+    posted_.erase(posted);
+    waitAll(p.works);
+    header = parseHeader(p.header);
+    message = p.header;
+    data = p.data;
   }
-  prefetchActivation(stage, mb);  // if not posted ahead
-  const auto posted = posted_.find({false, stage, mb});
-  Posted p = std::move(posted->second);
-  posted_.erase(posted);
-  waitAll(p.works);
-  const auto [shape, dtype] = parseHeader(p.header);
-  checkShape(stage - 1, mb, shape, dtype);
-  return p.data.defined() ? p.data : payloadOf(p.header, shape, dtype);
+  // The previous stage waits for a gradient wherever it knew the size to
+  // post one: for every activation but a failed first one.
+  grad_expected_[{stage, mb}] = !header.failed || shapes_.count(stage - 1);
+  if (header.failed) {
+    if (failure_.rank < 0) {
+      failure_.rank = static_cast<int>(header.rank);
+      failure_.stage = static_cast<int>(header.stage);
+      failure_.microbatch = static_cast<int>(header.microbatch);
+    }
+    return std::nullopt;
+  }
+  checkShape(stage - 1, mb, header.shape, header.dtype);
+  return data.defined() ? data : payloadOf(message, header.shape, header.dtype);
+}
+
+void Runtime::exchangeStatus() {
+  // [failed?, rank, stage, micro-batch, text bytes], then the text.
+  constexpr int64_t kStatusBytes = 512, kWords = 5;
+  at::Tensor mine = at::zeros({kStatusBytes}, at::kByte);
+  auto* w = reinterpret_cast<int64_t*>(mine.data_ptr());
+  const bool here = failure_.error != nullptr;
+  const std::string& what = failure_.what;
+  const int64_t len = std::min<int64_t>(what.size(), kStatusBytes - kWords * 8);
+  if (here) {
+    w[0] = 1;
+    w[1] = failure_.rank;
+    w[2] = failure_.stage;
+    w[3] = failure_.microbatch;
+    w[4] = len;
+    std::memcpy(reinterpret_cast<char*>(w + kWords), what.data(), len);
+  }
+  std::vector<at::Tensor> in = {mine};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < num_ranks_; ++r) out[0].push_back(at::empty_like(mine));
+  group_->allgather(out, in)->wait();
+  if (here) std::rethrow_exception(failure_.error);
+  for (const at::Tensor& t : out[0]) {
+    const auto* s = reinterpret_cast<const int64_t*>(t.data_ptr());
+    if (s[0] == 0) continue;
+    TORCH_CHECK(false, "dsp pipeline: the step failed on rank ", s[1], " (stage ", s[2],
+                ", micro-batch ", s[3], ", ",
+                std::string(reinterpret_cast<const char*>(s + kWords), s[4]),
+                "). Every rank skipped the rest of its compute and still made its "
+                "transfers, so the group is usable: zero the gradients and step again");
+  }
 }
 
 void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
@@ -276,105 +363,158 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
   };
   std::map<std::pair<int, int>, Slot> slots;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending;  // sends
-  posted_.clear();  // a failed step's receives never complete
-  auto& store = WeightGradStore::get();
-  store.clear();                                    // nor do its weight gradients
+  ++steps_;  // this step's tags
+  posted_.clear();
+  grad_expected_.clear();
+  failure_ = Failure{};
+  auto& store = weight_grads_;
   std::map<std::pair<int, int>, int64_t> deferred;  // (stage, mb) -> capture
   trace_.clear();
   transfers_.clear();
   const int last = num_stages_ - 1;
-  for (const auto& a : actions_) {
-    if (a.type == ActionType::kRecvF && a.microbatch == 0) prefetchActivation(a.stage, 0);
-  }
-  for (const auto& a : actions_) {
-    const int s = a.stage, mb = a.microbatch;
-    Slot& slot = slots[{s, mb}];
-    const bool transfer = a.type == ActionType::kSendF || a.type == ActionType::kRecvF ||
-                          a.type == ActionType::kSendB || a.type == ActionType::kRecvB;
-    const double started = transfer ? now() : 0.0;
-    switch (a.type) {
-      case ActionType::kForward: {
-        const double t0 = now();
-        MaybeTensor out = forward(s, mb, std::exchange(slot.input, std::nullopt));
-        trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
-        if (s == last) break;
-        TORCH_CHECK(out.has_value(), "stage ", s, " forward returned no output");
-        if (local(s + 1)) {
-          slots[{s + 1, mb}].input = std::move(out);
-        } else {
-          slot.output = std::move(out);
-        }
-        break;
-      }
-      case ActionType::kBackward:
-      case ActionType::kInput: {
-        MaybeTensor grad;
-        if (s != last) {
-          grad = local(s + 1) ? std::exchange(slots[{s + 1, mb}].grad_input, std::nullopt)
-                              : std::exchange(slot.grad_output, std::nullopt);
-        }
-        const double t0 = now();
-        // I: the weight gradients of split ops wait in the store for the W.
-        const bool split = a.type == ActionType::kInput;
-        if (split) store.begin();
-        MaybeTensor grad_input;
-        try {
-          grad_input = backward(s, mb, std::move(grad));
-        } catch (...) {
-          if (split) store.end();
-          throw;
-        }
-        if (split) deferred[{s, mb}] = store.end();
-        trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
-        if (s != 0) slot.grad_input = std::move(grad_input);
-        break;
-      }
-      case ActionType::kWeight: {
-        const auto it = deferred.find({s, mb});
-        TORCH_CHECK(it != deferred.end(), "dsp pipeline: ", dsp::pipeline::toString(a),
-                    " before its I");
-        const double t0 = now();
-        store.run(it->second, weight ? weight(s, mb) : std::vector<at::Tensor>{});
-        deferred.erase(it);
-        trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
-        break;
-      }
-      case ActionType::kSendF: {
-        at::Tensor out = *std::exchange(slot.output, std::nullopt);
-        sendActivation(s, mb, out, pending);
-        Posted p;
-        p.data = out.is_cpu() ? at::detail::empty_cpu(out.sizes(), out.scalar_type())
-                              : at::empty(out.sizes(), out.options());
-        p.works.push_back(recv(p.data, rankOf(s + 1), tag(s + 1, mb, true, false)));
-        posted_.emplace(Key{true, s, mb}, std::move(p));
-        break;
-      }
-      case ActionType::kRecvF:
-        slot.input = receiveActivation(s, mb);
-        if (mb + 1 < num_microbatches_) prefetchActivation(s, mb + 1);
-        break;
-      case ActionType::kSendB: {
-        TORCH_CHECK(slot.grad_input.has_value() && slot.grad_input->defined(), "stage ",
-                    s, " backward returned no gradient for its input (micro-batch ", mb,
-                    ")");
-        const at::Tensor g = std::exchange(slot.grad_input, std::nullopt)->contiguous();
-        pending.push_back(send(g, rankOf(s - 1), tag(s, mb, true, false)));
-        break;
-      }
-      case ActionType::kRecvB: {
-        const auto it = posted_.find({true, s, mb});
-        TORCH_CHECK(it != posted_.end(), "dsp pipeline: ", dsp::pipeline::toString(a),
-                    " before its activation was sent");
-        Posted p = std::move(it->second);
-        posted_.erase(it);
-        waitAll(p.works);
-        slot.grad_output = std::move(p.data);
-        break;
-      }
+  const auto failed = [this] { return failure_.rank >= 0; };
+  try {
+    for (const auto& a : actions_) {
+      if (a.type == ActionType::kRecvF && a.microbatch == 0)
+        prefetchActivation(a.stage, 0);
     }
-    if (transfer) transfers_.emplace_back(dsp::pipeline::toString(a), started, now());
+    for (const auto& a : actions_) {
+      const int s = a.stage, mb = a.microbatch;
+      Slot& slot = slots[{s, mb}];
+      const bool transfer = a.type == ActionType::kSendF ||
+                            a.type == ActionType::kRecvF ||
+                            a.type == ActionType::kSendB || a.type == ActionType::kRecvB;
+      const double started = transfer ? now() : 0.0;
+      switch (a.type) {
+        case ActionType::kForward: {
+          MaybeTensor in = std::exchange(slot.input, std::nullopt);
+          if (failed()) break;
+          const double t0 = now();
+          MaybeTensor out;
+          try {
+            out = forward(s, mb, std::move(in));
+            TORCH_CHECK(s == last || (out.has_value() && out->defined()), "stage ", s,
+                        " forward returned no output");
+          } catch (...) {
+            fail(s, mb, "forward");
+            break;
+          }
+          trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
+          if (s == last) break;
+          if (local(s + 1)) {
+            slots[{s + 1, mb}].input = std::move(out);
+          } else {
+            slot.output = std::move(out);
+          }
+          break;
+        }
+        case ActionType::kBackward:
+        case ActionType::kInput: {
+          MaybeTensor grad;
+          if (s != last) {
+            grad = local(s + 1)
+                       ? std::exchange(slots[{s + 1, mb}].grad_input, std::nullopt)
+                       : std::exchange(slot.grad_output, std::nullopt);
+          }
+          if (failed()) break;
+          const double t0 = now();
+          // I: the weight gradients of split ops wait in the store for the W.
+          const bool split = a.type == ActionType::kInput;
+          if (split) store.begin();
+          MaybeTensor grad_input;
+          try {
+            grad_input = backward(s, mb, std::move(grad));
+          } catch (...) {
+            if (split) store.end();
+            fail(s, mb, split ? "input gradient" : "backward");
+            break;
+          }
+          if (split) deferred[{s, mb}] = store.end();
+          trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
+          if (s != 0) slot.grad_input = std::move(grad_input);
+          break;
+        }
+        case ActionType::kWeight: {
+          if (failed()) break;
+          const auto it = deferred.find({s, mb});
+          TORCH_CHECK(it != deferred.end(), "dsp pipeline: ",
+                      dsp::pipeline::toString(a), " before its I");
+          const double t0 = now();
+          try {
+            store.run(it->second, weight ? weight(s, mb) : std::vector<at::Tensor>{});
+          } catch (...) {
+            fail(s, mb, "weight gradient");
+          }
+          deferred.erase(it);
+          trace_.emplace_back(dsp::pipeline::toString(a), t0, now());
+          break;
+        }
+        case ActionType::kSendF: {
+          MaybeTensor out = std::exchange(slot.output, std::nullopt);
+          sendActivation(s, mb, failed() ? nullptr : &*out, pending);  // may fail
+          // The gradient comes back into a buffer of the output's shape: the
+          // one sent, or the stage's known one (a failed step sends zeros).
+          const auto known = shapes_.find(s);  // registered by a sent output
+          if (!failed() || known != shapes_.end()) {
+            Posted p;
+            p.data = !failed() && !out->is_cpu()
+                         ? at::empty(out->sizes(), out->options())
+                         : at::detail::empty_cpu(known->second.first, known->second.second);
+            p.works.push_back(recv(p.data, rankOf(s + 1), tag(s + 1, mb, true, false)));
+            posted_.emplace(Key{true, s, mb}, std::move(p));
+          }
+          break;
+        }
+        case ActionType::kRecvF:
+          slot.input = receiveActivation(s, mb);
+          if (mb + 1 < num_microbatches_) prefetchActivation(s, mb + 1);
+          break;
+        case ActionType::kSendB: {
+          MaybeTensor g = std::exchange(slot.grad_input, std::nullopt);
+          if (!failed()) {
+            try {
+              TORCH_CHECK(g.has_value() && g->defined(), "stage ", s,
+                          " backward returned no gradient for its input (micro-batch ",
+                          mb, ")");
+            } catch (...) {
+              fail(s, mb, "backward");
+            }
+          }
+          if (!failed()) {
+            pending.push_back(send(g->contiguous(), rankOf(s - 1), tag(s, mb, true, false)));
+          } else if (grad_expected_[{s, mb}]) {
+            const auto& [shape, dtype] = shapes_.at(s - 1);
+            pending.push_back(send(at::zeros(shape, at::TensorOptions(dtype)),
+                                   rankOf(s - 1), tag(s, mb, true, false)));
+          }
+          break;
+        }
+        case ActionType::kRecvB: {
+          const auto it = posted_.find({true, s, mb});
+          if (it == posted_.end()) {
+            TORCH_CHECK(failed(), "dsp pipeline: ", dsp::pipeline::toString(a),
+                        " before its activation was sent");
+            break;  // a failed step posted none: no gradient comes
+          }
+          Posted p = std::move(it->second);
+          posted_.erase(it);
+          waitAll(p.works);
+          if (!failed()) slot.grad_output = std::move(p.data);
+          break;
+        }
+      }
+      if (transfer) transfers_.emplace_back(dsp::pipeline::toString(a), started, now());
+    }
+    waitAll(pending);
+  } catch (...) {
+    // A transfer failed: the ranks are out of step. Withdraw this step's
+    // receives now, while their buffers still exist.
+    posted_.clear();
+    store.clear();
+    throw;
   }
-  waitAll(pending);
+  store.clear();  // a failed step's deferred weight gradients never run
+  exchangeStatus();
 }
 
 }  // namespace dsparallel::pipeline

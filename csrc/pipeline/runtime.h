@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "../core/pipeline/schedule.h"
+#include "split_backward.h"
 
 namespace dsparallel::pipeline {
 
@@ -57,9 +58,22 @@ class Runtime {
           int num_microbatches, c10::intrusive_ptr<c10d::ProcessGroup> group,
           dsp::pipeline::Placement placement = dsp::pipeline::Placement::kLoop);
 
-  // Runs every action once. Rethrows a callback's exception and raises on a
-  // stage output whose shape or dtype changes between micro-batches (on both
-  // ends of its transfer). Blocking waits honour the group's timeout.
+  // Runs every action once. Blocking waits honour the group's timeout.
+  //
+  // A step that fails in compute (a callback raises, a stage output changes
+  // shape or dtype between micro-batches) fails on every rank and leaves the
+  // group usable: the rank where it happened skips its remaining compute but
+  // still makes every transfer of its list, activations marked as failed
+  // (with the sizes the receiver expects) and gradients as zeros; a rank
+  // receiving a failed activation does the same. The step ends, as every
+  // step does, with an all-gather of each rank's status; then the rank where
+  // it happened rethrows its exception and every other rank raises naming
+  // that rank, stage, micro-batch and error. No message stays behind, so the
+  // next step runs as if the failed one had not (after zeroing the
+  // gradients it left). A failed transfer (a peer died, a timeout) leaves
+  // the ranks out of step: it raises at once, withdrawing this step's
+  // receives, and the group must be rebuilt (an expired bounded wait breaks
+  // it; see p2p.cpp).
   void step(const ForwardFn& forward, const BackwardFn& backward,
             const WeightFn& weight = nullptr);
 
@@ -78,11 +92,21 @@ class Runtime {
     at::Tensor data;  // gradients, and large activations' payloads
   };
   using Key = std::tuple<bool, int, int>;  // (backward?, stage, micro-batch)
+  // Where and why a step failed: here, or on the rank whose failed
+  // activation reached this one.
+  struct Failure {
+    int rank = -1;  // -1: the step has not failed (here or upstream)
+    int stage = -1, microbatch = -1;
+    std::string what;
+    std::exception_ptr error;  // the exception, where it was raised here
+  };
 
   int rankOf(int stage) const {
     return dsp::pipeline::rankOfStage(stage, num_ranks_, placement_);
   }
   bool local(int stage) const { return rankOf(stage) == my_rank_; }
+  // Unique within a step and across the last generations_ steps: a message
+  // of one step is never taken by the next.
   int tag(int stage, int mb, bool backward, bool header) const;
   // The group's backend for the tensor's device, called directly: what
   // ProcessGroup::send/recv do through the dispatcher, without its cost per call.
@@ -90,11 +114,19 @@ class Runtime {
   c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, int tag);
   c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, int tag);
 
-  void sendActivation(int stage, int mb, const at::Tensor& out,
+  // Sends stage's output for micro-batch mb; `out` null (a failed step):
+  // a header marked as failed, in messages of the sizes the receiver expects.
+  void sendActivation(int stage, int mb, const at::Tensor* out,
                       std::vector<c10::intrusive_ptr<c10d::Work>>& pending);
   void prefetchActivation(int stage, int mb);
-  at::Tensor receiveActivation(int stage, int mb);
+  // The previous stage's output; nullopt when it came marked as failed
+  // (then `failure_` says where, if this rank had not failed already).
+  MaybeTensor receiveActivation(int stage, int mb);
   void checkShape(int stage, int mb, at::IntArrayRef shape, at::ScalarType dtype);
+  // Records the first failure on this rank (the current exception).
+  void fail(int stage, int mb, const char* action);
+  // Every rank's status at the end of a step; raises if any failed.
+  void exchangeStatus();
 
   std::vector<dsp::pipeline::Action> actions_;
   int num_stages_, num_ranks_, num_microbatches_, my_rank_;
@@ -103,9 +135,17 @@ class Runtime {
   // Each stage's output shape and dtype, fixed by its first micro-batch.
   std::map<int, std::pair<std::vector<int64_t>, at::ScalarType>> shapes_;
   std::map<Key, Posted> posted_;
+  Failure failure_;  // of the step running
+  // Gradients the previous stage waits for, per (stage, micro-batch) received
+  // here: sent even from a failed step (as zeros), where it posted a receive.
+  std::map<std::pair<int, int>, bool> grad_expected_;
+  int64_t steps_ = 0;
+  int64_t tags_per_step_ = 0, generations_ = 1;
   std::vector<TraceEntry> trace_, transfers_;
   c10::intrusive_ptr<c10d::Backend> backend_;  // of backend_device_
   c10::DeviceType backend_device_ = c10::DeviceType::CPU;
+  // The weight gradients its I actions defer to their W (this pipeline's own).
+  WeightGradStore weight_grads_;
 };
 
 }  // namespace dsparallel::pipeline

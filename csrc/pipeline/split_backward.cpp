@@ -8,11 +8,41 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <utility>
+
 namespace dsparallel::pipeline {
 
-WeightGradStore& WeightGradStore::get() {
+namespace {
+
+// The capture open on this thread (innermost), and every open one.
+thread_local WeightGradStore* t_capture = nullptr;
+std::mutex g_open_mutex;
+std::vector<WeightGradStore*> g_open;  // under g_open_mutex
+
+}  // namespace
+
+WeightGradStore& WeightGradStore::standalone() {
   static WeightGradStore store;
   return store;
+}
+
+WeightGradStore* WeightGradStore::capturing(const at::Tensor& grad) {
+  if (t_capture != nullptr || grad.is_cpu()) return t_capture;
+  std::lock_guard<std::mutex> lock(g_open_mutex);
+  if (g_open.empty()) return nullptr;
+  TORCH_CHECK(g_open.size() == 1,
+              "weight-gradient store: a split backward runs on an autograd engine "
+              "thread while ",
+              g_open.size(),
+              " pipelines capture weight gradients at once; it cannot tell whose it "
+              "is (run those pipelines' steps one at a time)");
+  return g_open.front();
+}
+
+WeightGradStore::~WeightGradStore() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (capturing_) unregisterLocked();
 }
 
 void WeightGradStore::begin() {
@@ -20,21 +50,27 @@ void WeightGradStore::begin() {
   TORCH_CHECK(!capturing_, "weight-gradient store: a capture is already open");
   capturing_ = true;
   open_.clear();
+  outer_ = std::exchange(t_capture, this);
+  std::lock_guard<std::mutex> open_lock(g_open_mutex);
+  g_open.push_back(this);
+}
+
+void WeightGradStore::unregisterLocked() {
+  capturing_ = false;
+  if (t_capture == this) t_capture = outer_;
+  outer_ = nullptr;
+  std::lock_guard<std::mutex> open_lock(g_open_mutex);
+  g_open.erase(std::remove(g_open.begin(), g_open.end(), this), g_open.end());
 }
 
 int64_t WeightGradStore::end() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(capturing_, "weight-gradient store: no capture is open");
-  capturing_ = false;
+  unregisterLocked();
   const int64_t key = next_key_++;
   closed_[key] = std::move(open_);
   open_.clear();
   return key;
-}
-
-bool WeightGradStore::capturing() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return capturing_;
 }
 
 void WeightGradStore::put(Closure fn) {
@@ -78,7 +114,7 @@ int64_t WeightGradStore::run(int64_t key, const std::vector<at::Tensor>& complet
 
 void WeightGradStore::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
-  capturing_ = false;
+  if (capturing_) unregisterLocked();
   open_.clear();
   closed_.clear();
 }
@@ -170,15 +206,15 @@ class SplitLinear : public torch::autograd::Function<SplitLinear> {
     const bool needW = ctx->needs_input_grad(1);
     const bool needB = b.defined() && ctx->needs_input_grad(2);
     if (!needW && !needB) return {dx, at::Tensor(), at::Tensor()};
-    auto& store = WeightGradStore::get();
-    if (!store.capturing()) {
+    WeightGradStore* store = WeightGradStore::capturing(dy);
+    if (store == nullptr) {
       // A whole backward (B): the same in-place accumulation as a W, unless
       // the backward is itself being differentiated.
       auto [dw, db] = weightGrads(x, dy, w, b, needW, needB,
                                   /*in_place=*/!at::GradMode::is_enabled());
       return {dx, dw, db};
     }
-    store.put([x, dy, w, b, needW, needB](variable_list& roots, variable_list& out) {
+    store->put([x, dy, w, b, needW, needB](variable_list& roots, variable_list& out) {
       auto [dw, db] = weightGrads(x, dy, w, b, needW, needB, /*in_place=*/true);
       if (dw.defined()) {
         roots.push_back(w);

@@ -13,6 +13,14 @@
 // twice gets the sum once, and a DDP reducer armed before the W sees one
 // backward. Outside a capture, split_linear is at::linear with an ordinary
 // backward.
+//
+// Each pipeline runtime owns its store, so two pipelines in one process (two
+// models trained by two threads, a pipeline inside another's stage) never
+// take or drop each other's weight gradients. A backward of host tensors
+// finds the capture open on its own thread (the engine runs a CPU graph on
+// the thread that called backward); one of device tensors runs on an engine
+// thread of its device, and takes the one capture open in the process,
+// refusing to guess when several are.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,12 +35,22 @@ namespace dsparallel::pipeline {
 
 class WeightGradStore {
  public:
-  static WeightGradStore& get();
+  WeightGradStore() = default;
+  ~WeightGradStore();
+  WeightGradStore(const WeightGradStore&) = delete;
+  WeightGradStore& operator=(const WeightGradStore&) = delete;
 
-  // Opens a capture (one at a time); end() closes it and returns its key.
+  // The store of the bindings' weight_grad_* functions (tests, opt-in use).
+  static WeightGradStore& standalone();
+  // The store whose capture a split backward of `grad` running now belongs
+  // to; null outside any capture.
+  static WeightGradStore* capturing(const at::Tensor& grad);
+
+  // Opens a capture on this thread (one per store at a time; a capture of
+  // another store opened inside it is closed before it); end() closes it and
+  // returns its key.
   void begin();
   int64_t end();
-  bool capturing() const;
   // A closure computes weight gradients: it appends (tensor, gradient) pairs.
   using Closure = std::function<void(std::vector<at::Tensor>& tensors,
                                      std::vector<at::Tensor>& grads)>;
@@ -49,8 +67,12 @@ class WeightGradStore {
   int64_t pending() const;
 
  private:
+  // Closes the capture in the process-wide registry (with mutex_ held).
+  void unregisterLocked();
+
   mutable std::mutex mutex_;
   bool capturing_ = false;
+  WeightGradStore* outer_ = nullptr;  // the capture open on this thread before
   std::vector<Closure> open_;
   std::map<int64_t, std::vector<Closure>> closed_;
   int64_t next_key_ = 0;
