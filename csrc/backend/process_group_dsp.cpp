@@ -168,6 +168,11 @@ ProcessGroupDSP::ProcessGroupDSP(const c10::intrusive_ptr<c10d::Store>& store, i
   options.p2p_spin_us = envInt("DSP_P2P_SPIN_US", options.p2p_spin_us);
   options.p2p_ring_bytes = envBytes("DSP_P2P_RING_BYTES", options.p2p_ring_bytes);
   options.p2p_single_copy = envInt("DSP_P2P_SINGLE_COPY", 1) != 0;
+  options.p2p_limits.unexpected_bytes =
+      envBytes("DSP_P2P_UNEXPECTED_BYTES", options.p2p_limits.unexpected_bytes);
+  options.p2p_limits.unexpected_messages =
+      envInt("DSP_P2P_UNEXPECTED_MESSAGES",
+             static_cast<int>(options.p2p_limits.unexpected_messages));
   options.stream_min_bytes = envBytes("DSP_STREAM_BYTES", options.stream_min_bytes);
   check_across_hosts_ = envInt("DSP_CHECK_ACROSS_HOSTS", 1) != 0;
   // 0: blocking calls are queued like the others (for A/B measurements).

@@ -326,10 +326,10 @@ class ProcessGroupDSP : public c10d::Backend {
   std::condition_variable cv_;  // queue changed, or a work finished
   std::deque<c10::intrusive_ptr<WorkDSP>> queue_;
   // Finished work, kept for a caller's thread to drop (enqueue, runUntil,
-  // the destructor), whether or not a caller still holds it. Its tensors may carry Python objects,
-  // and the worker thread must not be the one to free them: that takes the
-  // GIL, and a non-Python thread taking the GIL while the interpreter exits
-  // is terminated mid-destructor (the process aborts).
+  // the destructor), whether or not a caller still holds it. Its tensors may carry Python
+  // objects, and the worker thread must not be the one to free them: that takes the GIL,
+  // and a non-Python thread taking the GIL while the interpreter exits is terminated
+  // mid-destructor (the process aborts).
   std::vector<c10::intrusive_ptr<WorkDSP>> finished_;
   std::atomic<bool> shut_down_{false};  // shutdown() or abort() passed on
   bool running_ = false;                // some thread is executing a collective

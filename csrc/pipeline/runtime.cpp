@@ -199,10 +199,9 @@ void Runtime::sendActivation(int stage, int mb, const at::Tensor* out,
                                : payloadBytes(known->second.first, known->second.second);
   if (out != nullptr) {
     try {
-      const bool sendable =
-          std::find(kDTypes.begin(), kDTypes.end(), out->scalar_type()) !=
-              kDTypes.end() &&
-          out->dim() <= kMaxDims;
+      const bool sendable = std::find(kDTypes.begin(), kDTypes.end(),
+                                      out->scalar_type()) != kDTypes.end() &&
+                            out->dim() <= kMaxDims;
       TORCH_CHECK_VALUE(sendable, "stage ", stage, " output of dtype ",
                         out->scalar_type(), " and ", out->dim(),
                         " dims cannot be sent between stages");
@@ -363,7 +362,7 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
   };
   std::map<std::pair<int, int>, Slot> slots;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending;  // sends
-  ++steps_;  // this step's tags
+  ++steps_;                                             // this step's tags
   posted_.clear();
   grad_expected_.clear();
   failure_ = Failure{};
@@ -437,8 +436,8 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
         case ActionType::kWeight: {
           if (failed()) break;
           const auto it = deferred.find({s, mb});
-          TORCH_CHECK(it != deferred.end(), "dsp pipeline: ",
-                      dsp::pipeline::toString(a), " before its I");
+          TORCH_CHECK(it != deferred.end(), "dsp pipeline: ", dsp::pipeline::toString(a),
+                      " before its I");
           const double t0 = now();
           try {
             store.run(it->second, weight ? weight(s, mb) : std::vector<at::Tensor>{});
@@ -457,9 +456,10 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
           const auto known = shapes_.find(s);  // registered by a sent output
           if (!failed() || known != shapes_.end()) {
             Posted p;
-            p.data = !failed() && !out->is_cpu()
-                         ? at::empty(out->sizes(), out->options())
-                         : at::detail::empty_cpu(known->second.first, known->second.second);
+            p.data =
+                !failed() && !out->is_cpu()
+                    ? at::empty(out->sizes(), out->options())
+                    : at::detail::empty_cpu(known->second.first, known->second.second);
             p.works.push_back(recv(p.data, rankOf(s + 1), tag(s + 1, mb, true, false)));
             posted_.emplace(Key{true, s, mb}, std::move(p));
           }
@@ -481,7 +481,8 @@ void Runtime::step(const ForwardFn& forward, const BackwardFn& backward,
             }
           }
           if (!failed()) {
-            pending.push_back(send(g->contiguous(), rankOf(s - 1), tag(s, mb, true, false)));
+            pending.push_back(
+                send(g->contiguous(), rankOf(s - 1), tag(s, mb, true, false)));
           } else if (grad_expected_[{s, mb}]) {
             const auto& [shape, dtype] = shapes_.at(s - 1);
             pending.push_back(send(at::zeros(shape, at::TensorOptions(dtype)),

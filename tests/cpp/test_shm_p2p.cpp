@@ -9,9 +9,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <ctime>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "test_helpers.h"
@@ -401,6 +403,78 @@ TEST(ShmP2P, SingleCopyCanBeTurnedOff) {
         char x = 0;
         EXPECT_THROW(p.sendInPlace(1 - c.rank(), 0, &x, 1, nullptr),
                      std::invalid_argument);
+      },
+      o));
+}
+
+}  // namespace dsp
+
+namespace dsp {
+
+// An any-source receive that waits sleeps as the others do: over a quiet
+// 400 ms its thread uses a fraction of the CPU (it spun on sched_yield, all
+// of it, before). The sender's message still wakes it.
+TEST(ShmP2P, AnySourceReceiveSleepsWhileItWaits) {
+  expectNoErrors(runRanks(2, [](ShmComm& c) {
+    auto& p = c.p2p();
+    if (c.rank() == 0) {
+      c.barrier();
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+      int32_t v = 42;
+      p.send(1, 3, &v, 4);
+    } else {
+      int32_t v = 0;
+      auto r = p.postRecv(-1, 3, &v, 4);
+      timespec cpu0{}, cpu1{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
+      const auto t0 = std::chrono::steady_clock::now();
+      c.barrier();
+      p.wait(r);
+      const double wall =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
+      const double cpu =
+          (cpu1.tv_sec - cpu0.tv_sec) + (cpu1.tv_nsec - cpu0.tv_nsec) * 1e-9;
+      EXPECT_EQ(v, 42);
+      EXPECT_EQ(p.sourceOf(r), 0);
+      EXPECT_GT(wall, 0.3);
+      EXPECT_LT(cpu, 0.25 * wall) << "cpu " << cpu << " s over " << wall << " s";
+    }
+  }));
+}
+
+// Messages nobody has posted a receive for are set aside up to a bound; the
+// one past it stays in the ring, the drain that meets it raises naming the
+// bound, and once its receive is posted it arrives intact, as do the others.
+TEST(ShmP2P, UnexpectedMessagesAreBounded) {
+  ShmOptions o = ringOptions(4096);
+  o.p2p_limits.unexpected_messages = 3;
+  o.p2p_limits.unexpected_bytes = 1 << 20;
+  expectNoErrors(runRanks(
+      2,
+      [](ShmComm& c) {
+        auto& p = c.p2p();
+        if (c.rank() == 0) {
+          for (int64_t tag = 0; tag < 4; ++tag) {
+            auto v = payload(tag, 4);
+            p.send(1, tag, v.data(), v.size() * 4);
+          }
+          c.barrier();
+        } else {
+          c.barrier();  // all four are in the ring
+          std::vector<int32_t> got(4);
+          auto other = p.postRecv(0, 99, got.data(), 16);
+          expectThrowWith<std::runtime_error>(
+              [&] { p.test(other); },
+              {"rank 0", "tag 3", "3 messages", "bound", "DSP_P2P_UNEXPECTED_MESSAGES"},
+              "a fourth message was set aside");
+          p.cancel(other);
+          for (int64_t tag : {3, 0, 1, 2}) {
+            auto r = p.postRecv(0, tag, got.data(), got.size() * 4);
+            p.wait(r);
+            EXPECT_EQ(got, payload(tag, 4)) << "tag " << tag;
+          }
+        }
       },
       o));
 }

@@ -221,7 +221,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   p2p_ = std::make_unique<ShmP2P>(
       static_cast<char*>(segment_.data()) + Layout::p2pOffset(size, slotBytes()), rank_,
       size_, options_.p2p_ring_bytes, timeout(), p2p_policy,
-      [this](int r) { return processAlive(control(r).pid.load()); });
+      [this](int r) { return processAlive(control(r).pid.load()); }, options_.p2p_limits);
   // Init step: once every rank has arrived, every rank has attached, so the
   // name can go. From here on a crash leaves nothing in /dev/shm.
   current_ = Collective::kInit;

@@ -130,6 +130,9 @@ struct ShmOptions {
   // receiver (ShmP2P::sendInPlace) between ranks whose memory it can read;
   // false: never (they go elsewhere).
   bool p2p_single_copy = true;
+  // What a rank sets aside for point-to-point receives not posted yet
+  // (ShmP2P::Limits).
+  ShmP2P::Limits p2p_limits;
   // A collective that writes at least this many bytes into its output copies
   // them there with non-temporal stores (stream_copy.h); 0: half the
   // last-level cache (defaultStreamMinBytes).

@@ -1,6 +1,5 @@
 #include "p2p.h"
 
-#include <sched.h>
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -77,9 +76,25 @@ struct alignas(kLine) ShmP2P::Channel {
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "tail crosses processes");
 
-size_t ShmP2P::regionBytes(int size, size_t ring_bytes) {
+// One per receiving rank. An any-source receive cannot sleep on one sender's
+// counter: while it waits, `watchers` is non-zero, and every sender to this
+// rank bumps `arrivals` after publishing a message. (seq_cst on both sides,
+// as in advance(): either the sender sees the watcher, or the watcher's
+// drain sees the message.) Other receives leave it at zero: a send costs
+// one load of this line.
+struct alignas(kLine) ShmP2P::Watch {
+  WaitWord arrivals;
+  std::atomic<uint32_t> watchers;
+  char pad[kLine - sizeof(WaitWord) - sizeof(std::atomic<uint32_t>)];
+};
+
+size_t ShmP2P::ringsOffset(int size) {
   const size_t pairs = static_cast<size_t>(size) * size;
-  return roundUp(pairs * sizeof(Channel), kPage) + pairs * ring_bytes;
+  return roundUp(pairs * sizeof(Channel) + size * sizeof(Watch), kPage);
+}
+
+size_t ShmP2P::regionBytes(int size, size_t ring_bytes) {
+  return ringsOffset(size) + static_cast<size_t>(size) * size * ring_bytes;
 }
 
 size_t ShmP2P::defaultRingBytes(int size) {
@@ -94,7 +109,7 @@ size_t ShmP2P::defaultRingBytes(int size) {
 
 ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
                std::chrono::milliseconds timeout, WaitPolicy policy,
-               std::function<bool(int)> peer_alive)
+               std::function<bool(int)> peer_alive, Limits limits)
     : region_(region),
       rank_(rank),
       size_(size),
@@ -109,7 +124,8 @@ ShmP2P::ShmP2P(char* region, int rank, int size, size_t ring_bytes,
       written_count_(size, 0),
       in_place_count_(size, 0),
       in_flight_(size),
-      pulled_count_(size, 0) {
+      pulled_count_(size, 0),
+      limits_(limits) {
   if (ring_bytes_ < 4 * kLine || ring_bytes_ % kLine != 0) {
     throw std::invalid_argument("dsp: point-to-point rings of " +
                                 std::to_string(ring_bytes_) +
@@ -179,9 +195,13 @@ ShmP2P::Channel& ShmP2P::channel(int src, int dst) const {
   return reinterpret_cast<Channel*>(region_)[static_cast<size_t>(src) * size_ + dst];
 }
 
-char* ShmP2P::ring(int src, int dst) const {
+ShmP2P::Watch& ShmP2P::watch(int r) const {
   const size_t pairs = static_cast<size_t>(size_) * size_;
-  return region_ + roundUp(pairs * sizeof(Channel), kPage) +
+  return reinterpret_cast<Watch*>(region_ + pairs * sizeof(Channel))[r];
+}
+
+char* ShmP2P::ring(int src, int dst) const {
+  return region_ + ringsOffset(size_) +
          (static_cast<size_t>(src) * size_ + dst) * ring_bytes_;
 }
 
@@ -256,6 +276,8 @@ void ShmP2P::writeRecord(int dst, int64_t tag, uint64_t bytes, uint64_t remote,
   if (payload_bytes) std::memcpy(at + kLine + head_bytes, payload, payload_bytes);
   written_bytes_[dst] = head + rec;
   advance(c.sent, ++written_count_[dst]);  // publishes the message (seq_cst)
+  Watch& w = watch(dst);
+  if (w.watchers.load(std::memory_order_seq_cst) != 0) bump(w.arrivals);
 }
 
 ShmP2P::SendTicket ShmP2P::sendInPlace(int dst, int64_t tag, const void* data,
@@ -337,6 +359,12 @@ void ShmP2P::drainLocked(int src) {
       h = reinterpret_cast<const MsgHeader*>(base);
     }
     const char* payload = reinterpret_cast<const char*>(h) + kLine;
+    if (h->remote == 0 && h->bytes > maxMessageBytes()) {
+      throw std::runtime_error("dsp recv on rank " + std::to_string(rank_) +
+                               ": a corrupt message from rank " + std::to_string(src) +
+                               " (" + std::to_string(h->bytes) + " bytes in a ring of " +
+                               std::to_string(ring_bytes_) + ")");
+    }
     const auto match =
         std::find_if(posted_.begin(), posted_.end(), [&](const RequestPtr& r) {
           return (r->src == src || r->src == -1) && r->tag == h->tag;
@@ -353,15 +381,20 @@ void ShmP2P::drainLocked(int src) {
       }
       r.done = true;
       posted_.erase(match);
-    } else if (h->remote) {
-      // Read now all the same: the sender waits for it, and it may be
-      // waiting on us in turn.
-      Unexpected u{h->tag, std::vector<char>(h->bytes), ""};
-      u.error = readInPlace(src, h->tag, h->remote, u.data.data(), h->bytes);
-      unexpected_[src].push_back(std::move(u));
     } else {
-      unexpected_[src].push_back(
-          {h->tag, std::vector<char>(payload, payload + h->bytes), ""});
+      setAsideCheckLocked(src, h->tag, h->bytes);
+      if (h->remote) {
+        // Read now all the same: the sender waits for it, and it may be
+        // waiting on us in turn.
+        Unexpected u{h->tag, std::vector<char>(h->bytes), ""};
+        u.error = readInPlace(src, h->tag, h->remote, u.data.data(), h->bytes);
+        unexpected_[src].push_back(std::move(u));
+      } else {
+        unexpected_[src].push_back(
+            {h->tag, std::vector<char>(payload, payload + h->bytes), ""});
+      }
+      unexpected_bytes_ += h->bytes;
+      ++unexpected_messages_;
     }
     // The buffer read in place is the sender's again (in ring order).
     if (h->remote) advance(c.pulled, ++pulled_count_[src]);
@@ -371,6 +404,27 @@ void ShmP2P::drainLocked(int src) {
     c.tail.store(tail, std::memory_order_release);
     advance(c.freed, read_count_[src]);
   }
+}
+
+void ShmP2P::setAsideCheckLocked(int src, int64_t tag, uint64_t bytes) const {
+  if (unexpected_messages_ < limits_.unexpected_messages &&
+      bytes <= limits_.unexpected_bytes -
+                   std::min(unexpected_bytes_, limits_.unexpected_bytes)) {
+    return;
+  }
+  // The message stays in the ring: nothing is lost, and its receive, once
+  // posted, still gets it.
+  throw std::runtime_error(
+      "dsp recv on rank " + std::to_string(rank_) + ": rank " + std::to_string(src) +
+      " sent a message (" + tagText(tag) + ", " + std::to_string(bytes) +
+      " bytes) that no posted receive takes, and the " +
+      std::to_string(unexpected_messages_) + " messages (" +
+      std::to_string(unexpected_bytes_) +
+      " bytes) already set aside for receives not posted yet reach the bound (" +
+      std::to_string(limits_.unexpected_messages) + " messages, " +
+      std::to_string(limits_.unexpected_bytes) +
+      " bytes: DSP_P2P_UNEXPECTED_MESSAGES, DSP_P2P_UNEXPECTED_BYTES); post the "
+      "receives as the peer sends, or raise the bound");
 }
 
 void ShmP2P::drainOthersLocked(int except) {
@@ -395,6 +449,8 @@ bool ShmP2P::matchUnexpectedLocked(Request& r) {
       std::memcpy(r.data, it->data.data(), r.bytes);
     }
     r.done = true;
+    unexpected_bytes_ -= it->data.size();
+    --unexpected_messages_;
     q.erase(it);
     return true;
   }
@@ -446,12 +502,25 @@ void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
   const auto limit = timeout.count() > 0 ? timeout : this->timeout();
   const auto deadline = std::chrono::steady_clock::now() + limit;
   SlicedWait waiting(policy_, deadline);
+  // An any-source receive sleeps on this rank's arrivals word, which
+  // senders bump only while someone watches it.
+  struct Watching {
+    Watch* w;
+    explicit Watching(Watch* w) : w(w) {
+      if (w) w->watchers.fetch_add(1, std::memory_order_seq_cst);
+    }
+    ~Watching() {
+      if (w) w->watchers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  } watching(r->src < 0 ? &watch(rank_) : nullptr);
   for (;;) {
     throwIfAborted();
     uint32_t seen = 0;
-    {
+    if (r->src >= 0) {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (r->src >= 0) seen = read_count_[r->src];
+      seen = read_count_[r->src];
+    } else {
+      seen = watch(rank_).arrivals.value.load(std::memory_order_seq_cst);
     }
     if (test(r)) return;
     if (r->src >= 0) {
@@ -471,7 +540,7 @@ void ShmP2P::wait(const RequestPtr& r, std::chrono::milliseconds timeout) {
         if (s != rank_ && !peer_alive_(s)) failWait(*r, true, s);
       }
       if (now >= deadline) failWait(*r, false, -1, limit);
-      sched_yield();
+      waiting.slice(watch(rank_).arrivals, seen + 1, now);
     }
   }
 }

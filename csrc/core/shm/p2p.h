@@ -11,7 +11,9 @@
 //
 // Receives match messages by (source, tag) in the order they were posted,
 // as MPI and gloo do: a message that arrives before its receive is posted is
-// copied aside (the "unexpected" queue) to free the ring. Progress happens
+// copied aside (the "unexpected" queue) to free the ring, up to a bound in
+// bytes and in messages (Limits); past it the message stays in the ring and
+// whoever drained it gets an error naming the bound. Progress happens
 // in whichever thread tests or waits on a receive or an in-place send, or
 // sends.
 //
@@ -42,6 +44,13 @@
 
 namespace dsp {
 
+// What a rank sets aside for point-to-point receives not posted yet, from all
+// peers together.
+struct P2PLimits {
+  size_t unexpected_bytes = size_t{1} << 30;
+  size_t unexpected_messages = size_t{1} << 16;
+};
+
 class ShmP2P {
  public:
   // Bytes of shared memory needed for `size` ranks with rings of `ring_bytes`.
@@ -50,11 +59,13 @@ class ShmP2P {
   // so many ranks that the rings would crowd /dev/shm.
   static size_t defaultRingBytes(int size);
 
+  using Limits = P2PLimits;
+
   // `region`: regionBytes() zeroed bytes of shared memory, the same on every
   // rank. `peer_alive(r)`: false once rank r's process is gone.
   ShmP2P(char* region, int rank, int size, size_t ring_bytes,
          std::chrono::milliseconds timeout, WaitPolicy policy,
-         std::function<bool(int)> peer_alive);
+         std::function<bool(int)> peer_alive, Limits limits = {});
 
   size_t maxMessageBytes() const;
   // Turns on in-place sends; call before any traffic (not thread-safe).
@@ -126,6 +137,7 @@ class ShmP2P {
 
  private:
   struct Channel;
+  struct Watch;
   struct Unexpected {
     int64_t tag;
     std::vector<char> data;
@@ -137,6 +149,8 @@ class ShmP2P {
   };
 
   Channel& channel(int src, int dst) const;
+  // Rank r's any-source word: senders to r bump it while r waits on it.
+  Watch& watch(int r) const;
   char* ring(int src, int dst) const;
   // Writes one record (header, then `head_bytes` from `head` and
   // `payload_bytes` from `payload`) into dst's ring, waiting while it is
@@ -157,6 +171,10 @@ class ShmP2P {
   // waiting on the next, can stall. Needs mutex_.
   void drainOthersLocked(int except);
   bool matchUnexpectedLocked(Request& r);
+  // Throws, naming the bound, where setting aside one more message of
+  // `bytes` would pass limits_. Needs mutex_.
+  void setAsideCheckLocked(int src, int64_t tag, uint64_t bytes) const;
+  static size_t ringsOffset(int size);
   [[noreturn]] void failWait(const Request& r, bool dead, int peer,
                              std::chrono::milliseconds limit = {}) const;
   std::chrono::milliseconds timeout() const {
@@ -185,6 +203,8 @@ class ShmP2P {
   std::vector<uint32_t> in_place_count_;                 // per destination
   std::vector<std::deque<InFlight>> in_flight_;          // per destination
   std::vector<uint32_t> pulled_count_;                   // per source
+  Limits limits_;
+  size_t unexpected_bytes_ = 0, unexpected_messages_ = 0;  // under mutex_
   std::vector<bool> readable_;  // [reader * size + writer]; empty: none
   std::function<int(int)> pid_of_;
 };

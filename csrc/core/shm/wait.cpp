@@ -63,6 +63,13 @@ void advance(WaitWord& word, uint32_t value) {
   }
 }
 
+void bump(WaitWord& word) {
+  word.value.fetch_add(1, std::memory_order_seq_cst);
+  if (word.sleepers.load(std::memory_order_seq_cst) != 0) {
+    futex(&word.value, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
 namespace detail {
 
 bool spinThenYield(const WaitWord& word, uint32_t target, const WaitPolicy& policy,

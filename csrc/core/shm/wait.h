@@ -30,6 +30,8 @@ inline bool reached(uint32_t value, uint32_t target) {
 
 // Publishes `value` and wakes sleepers, if any.
 void advance(WaitWord& word, uint32_t value);
+// Adds one (several writers may) and wakes sleepers, if any.
+void bump(WaitWord& word);
 
 enum class WaitResult { kReached, kTimedOut, kCancelled };
 
