@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import require, run_ranks
 
 
 def _expect_error(fn, *needles):
@@ -123,6 +123,52 @@ def _killed_rank_body(rank, n, size):
 @pytest.mark.parametrize("size", [8, 3_000_000])
 def test_killed_rank_is_reported(size):
     run_ranks(_killed_rank_body, 2, size, pg_timeout_s=30, allow_exit=(1,))
+
+
+def _impostor_at(pid: int):
+    """A new process with process id `pid` (ns_last_pid: root, and nobody
+    forking in between); None where this machine will not give one."""
+    import subprocess
+
+    for _ in range(20):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        p = subprocess.Popen(["sleep", "60"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def _reused_pid_body(rank, n):
+    """Rank 1 dies and a new process takes its pid: rank 0 still sees it
+    gone (it watches the process, not the number) and raises naming it."""
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        os._exit(17)
+    while os.path.exists(f"/proc/{pids[1]}"):  # exited and reaped
+        time.sleep(0.01)
+    impostor = _impostor_at(pids[1])
+    if impostor is None:
+        return "no impostor"
+    try:
+        t0 = time.monotonic()
+        _expect_error(lambda: dist.all_reduce(torch.ones(8)), "[1]", "has exited")
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+    finally:
+        impostor.kill()
+        impostor.wait()
+    return "raised"
+
+
+def test_a_killed_peer_whose_pid_is_reused_is_still_reported():
+    got = run_ranks(_reused_pid_body, 2, pg_timeout_s=60, allow_exit=(1,))
+    require(got[0] == "raised", "this machine cannot place a process at a given pid (root?)")
 
 
 def _killed_peer_of_large_send_body(rank, n, who):

@@ -12,6 +12,7 @@
 
 #include "../cpu_cache.h"
 #include "../stream_copy.h"
+#include "liveness.h"
 #include "wait.h"
 
 namespace dsp {
@@ -29,24 +30,6 @@ constexpr uint64_t kMagic = 0x6473702d73686d31ull;  // "dsp-shm1"
 constexpr uint64_t kProbe = 0x6473702d70726f00ull;  // "dsp-pro\0"
 
 size_t roundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
-bool processAlive(int pid) {
-  if (pid <= 0) return true;  // not published yet: cannot tell
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  // An exited child that nobody reaped yet still answers kill(): read its
-  // state from /proc ('Z' zombie, 'X' dead).
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) {
-    // Reaped between the kill() and the read (a parent waiting on it): gone
-    // now, unless /proc is not there to read at all.
-    return !(kill(pid, 0) != 0 && errno == ESRCH);
-  }
-  const auto close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return true;
-  const char state = line[close + 2];
-  return state != 'Z' && state != 'X';
-}
 
 // [begin, end) of slice j when `len` elements are split among n ranks in
 // ceil(len/n) pieces (the last ones may be short or empty).
@@ -152,7 +135,11 @@ struct ShmComm::Layout {
 
 ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options,
                  const std::function<void(const std::string&)>& created)
-    : rank_(rank), size_(size), options_(options), timeout_ms_(options.timeout.count()) {
+    : rank_(rank),
+      size_(size),
+      options_(options),
+      timeout_ms_(options.timeout.count()),
+      liveness_(std::make_unique<PeerLiveness>(std::max(size, 1))) {
   if (size < 1 || size > kMaxRanks || rank < 0 || rank >= size) {
     throw std::invalid_argument("dsp: shared-memory group of size " +
                                 std::to_string(size) + " with rank " +
@@ -221,13 +208,17 @@ ShmComm::ShmComm(const std::string& name, int rank, int size, ShmOptions options
   p2p_ = std::make_unique<ShmP2P>(
       static_cast<char*>(segment_.data()) + Layout::p2pOffset(size, slotBytes()), rank_,
       size_, options_.p2p_ring_bytes, timeout(), p2p_policy,
-      [this](int r) { return processAlive(control(r).pid.load()); }, options_.p2p_limits);
+      [this](int r) { return peerAlive(r); }, options_.p2p_limits);
   // Init step: once every rank has arrived, every rank has attached, so the
   // name can go. From here on a crash leaves nothing in /dev/shm.
   current_ = Collective::kInit;
   const uint32_t s = nextStep();
   arriveAndWait(s);
   segment_.unlink();
+  // Every peer has arrived, so its published pid is its own: pin it.
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) liveness_->watch(r, control(r).pid.load());
+  }
   probeSingleCopy();
 }
 
@@ -308,14 +299,17 @@ void ShmComm::publishSplits(uint32_t step, const size_t* send, const size_t* rec
   }
 }
 
+bool ShmComm::peerAlive(int r) const {
+  return liveness_->alive(r, control(r).pid.load());
+}
+
 void ShmComm::arriveAndWait(uint32_t step) {
   advance(control(rank_).step, step);
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const RankControl& peer = control(r);
-    const WaitResult res = waitFor(peer.step, step, deadline_, wait_policy_, [&] {
-      return !aborted() && processAlive(peer.pid.load());
-    });
+    const WaitResult res = waitFor(peer.step, step, deadline_, wait_policy_,
+                                   [&] { return !aborted() && peerAlive(r); });
     if (res != WaitResult::kReached) {
       if (aborted()) failAborted();
       failWaiting(step, res == WaitResult::kCancelled);
@@ -357,7 +351,7 @@ void ShmComm::failWaiting(uint32_t step, bool dead_peer) {
     const RankControl& c = control(r);
     if (reached(c.step.value.load(), step)) continue;
     missing << (first ? "" : ", ") << r;
-    if (!processAlive(c.pid.load())) {
+    if (!peerAlive(r)) {
       dead << " rank " << r << " (pid " << c.pid.load() << ") has exited.";
     }
     first = false;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../reduce.h"
+#include "liveness.h"
 #include "p2p.h"
 #include "segment.h"
 #include "wait.h"
@@ -252,6 +253,8 @@ class ShmComm {
   struct RankControl;
 
   RankControl& control(int r) const;
+  // Whether rank r's process runs (see liveness.h).
+  bool peerAlive(int r) const;
   char* slot(int r, uint32_t step) const;
   size_t slotBytes() const { return 2 * options_.chunk_bytes; }
   // Whether a collective writing `out_bytes` into its output streams them.
@@ -299,6 +302,7 @@ class ShmComm {
   std::chrono::steady_clock::time_point deadline_;
   WaitPolicy wait_policy_;
   std::string broken_;  // non-empty: why this comm refuses work
+  std::unique_ptr<PeerLiveness> liveness_;
   std::unique_ptr<ShmP2P> p2p_;
   uint64_t probe_word_;  // what a peer reading our memory must find
 };
