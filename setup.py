@@ -43,6 +43,11 @@ def record_torch_version():
 record_torch_version()
 
 
+# DSP_SANITIZE=address,undefined (scripts/asan.sh) builds the extension
+# instrumented, in objects of its own: never a package to install.
+SANITIZE = os.environ.get("DSP_SANITIZE", "")
+
+
 class BuildExt(BuildExtension):
     """torch's BuildExtension with one object folder per source tree
     (build/ext): the editable install the tests use and the wheel CI packages
@@ -51,8 +56,15 @@ class BuildExt(BuildExtension):
 
     def initialize_options(self):
         super().initialize_options()
-        self.build_temp = os.path.join(ROOT, "build", "ext")
+        folder = "ext-" + SANITIZE.replace(",", "-") if SANITIZE else "ext"
+        self.build_temp = os.path.join(ROOT, "build", folder)
 
+
+if SANITIZE:
+    flags = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-O1", "-g1"]
+    compile_args, link_args = flags + ["-fvisibility=hidden"], flags[:1]
+else:
+    compile_args, link_args = ["-O3", "-fvisibility=hidden"], []
 
 ext = CppExtension(
     name="dsparallel._C",
@@ -60,7 +72,8 @@ ext = CppExtension(
     include_dirs=[os.path.join(ROOT, "csrc")],
     # No -std here: torch's BuildExtension picks the standard its headers
     # need (C++17 for torch 2.13, C++20 from 2.14); csrc/core is plain C++17.
-    extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"]},
+    extra_compile_args={"cxx": compile_args},
+    extra_link_args=link_args,
     libraries=["rt"],
 )
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and runs every test: lint, the docs site's strict
 # build, the GoogleTest suite of the core (ctest, then again under
-# ThreadSanitizer), the pytest suite (real multi-process runs), and torch's
-# own distributed test suite over "dsp" at world sizes 2 and 3
-# (tests/conformance). Arguments go to pytest. Prints each stage's time.
+# ThreadSanitizer), the pytest suite (real multi-process runs), a part of it
+# again on the extension built under AddressSanitizer and UBSan
+# (scripts/asan.sh), and torch's own distributed test suite over "dsp" at
+# world sizes 2 and 3 (tests/conformance). Arguments go to pytest. Prints
+# each stage's time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/stages.sh
@@ -16,11 +18,12 @@ lint() {
   "$PY" -m ruff check . && "$PY" -m ruff format --check .
 }
 
-tsan() {
-  # The whole report when it fails: a race is read from its two stacks.
+# A sanitizer's script: its last lines when it passes, the whole report when
+# it fails (a race is read from its two stacks, a use-after-free from three).
+sanitizer() {
   local log
   log=$(mktemp)
-  if bash scripts/tsan.sh >"$log" 2>&1; then
+  if bash "$1" >"$log" 2>&1; then
     tail -3 "$log"
   else
     cat "$log"
@@ -42,6 +45,7 @@ stage "lint (ruff)" lint
 stage "docs (mkdocs build --strict)" "$PY" -m mkdocs build --strict --quiet --site-dir build/site
 # --no-tests=error: a build that registered no test fails instead of passing.
 stage "GoogleTest (core)" ctest --test-dir build --output-on-failure --no-tests=error
-stage "GoogleTest (core) under ThreadSanitizer" tsan
+stage "GoogleTest (core) under ThreadSanitizer" sanitizer scripts/tsan.sh
 stage "pytest" "$PY" -m pytest -q --durations=15 tests/python "$@"
+stage "pytest subset under ASan + UBSan" sanitizer scripts/asan.sh
 stage "torch's distributed suite over dsp" conformance
