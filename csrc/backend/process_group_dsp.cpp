@@ -36,10 +36,20 @@ int envInt(const char* name, int fallback) {
   return static_cast<int>(x);
 }
 
+// Set on the group's worker threads: a Work must never be freed there.
+thread_local bool t_worker = false;
+std::atomic<int64_t> g_freed_on_worker{0};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
 // WorkDSP
+
+WorkDSP::~WorkDSP() {
+  if (t_worker) g_freed_on_worker.fetch_add(1, std::memory_order_relaxed);
+}
+
+int64_t WorkDSP::freedOnWorker() { return g_freed_on_worker.load(); }
 
 WorkDSP::WorkDSP(ProcessGroupDSP* pg, c10d::OpType type, const char* profiling_title,
                  std::vector<at::Tensor> outputs, std::function<void()> run)
@@ -334,6 +344,7 @@ bool ProcessGroupDSP::waitFor(WorkDSP* work, std::chrono::milliseconds timeout) 
 }
 
 void ProcessGroupDSP::workerLoop() {
+  t_worker = true;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     if (runOne(lock)) continue;

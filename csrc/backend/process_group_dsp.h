@@ -51,6 +51,10 @@ class WorkDSP : public c10d::Work {
  public:
   WorkDSP(ProcessGroupDSP* pg, c10d::OpType type, const char* profiling_title,
           std::vector<at::Tensor> outputs, std::function<void()> run);
+  ~WorkDSP() override;
+  // How many were freed on a group's worker thread, process-wide: the
+  // hand-off to the callers' threads (finished_) makes it 0.
+  static int64_t freedOnWorker();
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   std::vector<at::Tensor> result() override { return outputs_; }

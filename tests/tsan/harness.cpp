@@ -87,7 +87,7 @@ void backendScenario(int size) {
     Group world = makeGroup(store, "world", rank, size);
     Group p2p = makeGroup(store, "p2p", rank, size);
     auto backend = world->getBackend(c10::DeviceType::CPU);
-    constexpr int kRounds = 200;
+    constexpr int kRounds = 2000;
     std::mutex m;
     std::condition_variable cv;
     std::deque<std::pair<int, c10::intrusive_ptr<c10d::Work>>> issued;
@@ -98,7 +98,15 @@ void backendScenario(int size) {
         auto [round, work] = std::move(issued.front());
         issued.pop_front();
         lock.unlock();
-        work->wait();
+        // Three ways to wait: polling (the caller drops its reference the
+        // moment the Work says it is complete, while the worker may still be
+        // handing it over), bounded and unbounded.
+        if (round % 3 == 0) {
+          while (!work->isCompleted()) {
+          }
+        } else {
+          work->wait(round % 3 == 1 ? std::chrono::milliseconds(10000) : ::kNoTimeout);
+        }
         const at::Tensor out = work->result()[0];
         const double want = round * size * (size + 1) / 2.0;
         check(out.eq(want).all().item<bool>(),
@@ -154,6 +162,9 @@ void backendScenario(int size) {
     waiter.join();
     neighbours.join();
   });
+  check(dsparallel::WorkDSP::freedOnWorker() == 0,
+        std::to_string(dsparallel::WorkDSP::freedOnWorker()) +
+            " Work(s) freed on a worker thread");
 }
 
 void reducerScenario(int size, bool as_view) {
