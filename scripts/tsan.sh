@@ -14,10 +14,10 @@ cmake --build build-tsan
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
 ./build-tsan/dsp_core_tests
 
-cmake -S tests/tsan -B build-tsan-harness -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S tests/tsan -B build/tsan-harness -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_PREFIX_PATH="$(${PYTHON:-python3} -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
   -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" >/dev/null
-cmake --build build-tsan-harness
-./build-tsan-harness/dsp_tsan_harness
+cmake --build build/tsan-harness
+./build/tsan-harness/dsp_tsan_harness
