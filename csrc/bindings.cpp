@@ -104,6 +104,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("hierarchical_calls",
                              &dsparallel::ProcessGroupDSP::hierarchicalCalls);
 
+  // Works freed on a group's worker thread, process-wide (tests: always 0).
+  m.def("works_freed_on_worker", &dsparallel::WorkDSP::freedOnWorker);
+
   using ReducerPtr = std::unique_ptr<dsparallel::Reducer, DeleteWithoutGil>;
   py::class_<dsparallel::Reducer, ReducerPtr>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -252,7 +255,9 @@ PYBIND11_MODULE(_C, m) {
         [] { return dsparallel::pipeline::WeightGradStore::standalone().end(); });
   m.def(
       "weight_grad_run",
-      [](int64_t key) { return dsparallel::pipeline::WeightGradStore::standalone().run(key); },
+      [](int64_t key) {
+        return dsparallel::pipeline::WeightGradStore::standalone().run(key);
+      },
       py::arg("key"), py::call_guard<py::gil_scoped_release>());
   m.def("weight_grad_pending",
         [] { return dsparallel::pipeline::WeightGradStore::standalone().pending(); });

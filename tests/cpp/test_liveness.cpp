@@ -44,10 +44,14 @@ pid_t sleeperWithPid(pid_t pid) {
 
 }  // namespace
 
-TEST(PeerLiveness, AnExitedPeerIsGone) {
-  PeerLiveness live(2);
+// Both ways of watching: a pidfd, and the start time where there is none.
+class PeerLivenessBy : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PeerLivenessBy, AnExitedPeerIsGone) {
+  PeerLiveness live(2, GetParam());
   const pid_t peer = sleeper();
   live.watch(1, peer);
+  EXPECT_STREQ(live.how(1), GetParam() ? "pidfd" : "start time");
   EXPECT_TRUE(live.alive(1, peer));
   kill(peer, SIGKILL);
   // Not reaped yet (a zombie) and then reaped: gone both times.
@@ -57,10 +61,14 @@ TEST(PeerLiveness, AnExitedPeerIsGone) {
   EXPECT_FALSE(live.alive(1, peer));
 }
 
-TEST(PeerLiveness, AReusedPidDoesNotBringAPeerBack) {
-  PeerLiveness live(2);
+TEST_P(PeerLivenessBy, AReusedPidDoesNotBringAPeerBack) {
+  PeerLiveness live(2, GetParam());
   const pid_t peer = sleeper();
   live.watch(1, peer);
+  // Start times count clock ticks (10 ms): a process that lived for less
+  // than one can share its successor's. A peer that has joined a group has
+  // lived longer than that.
+  usleep(30000);
   stop(peer);
   const pid_t impostor = sleeperWithPid(peer);
   if (impostor < 0)
@@ -69,6 +77,8 @@ TEST(PeerLiveness, AReusedPidDoesNotBringAPeerBack) {
   EXPECT_FALSE(live.alive(1, peer)) << "watched by " << live.how(1);
   stop(impostor);
 }
+
+INSTANTIATE_TEST_SUITE_P(PidfdOrStartTime, PeerLivenessBy, ::testing::Bool());
 
 TEST(PeerLiveness, StartTimeTellsProcessesApart) {
   const pid_t a = sleeper();

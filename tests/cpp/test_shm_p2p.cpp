@@ -368,7 +368,10 @@ TEST(ShmP2P, InPlaceErrorsNameThePeerTagAndSizes) {
         if (c.rank() == 0) {
           // A receive of the wrong size fails; the send still completes.
           p.wait(p.sendInPlace(1, 5, big.data(), big.size(), nullptr));
-          // Nobody receives tag 9: the send's wait times out, naming it.
+          // Sent once rank 1 has stopped draining (it would set the message
+          // aside, reading it): nobody receives tag 9, and the send's wait
+          // times out, naming it.
+          c.barrier();
           auto t = p.sendInPlace(1, 9, big.data(), big.size(), nullptr);
           expectThrowWith<std::runtime_error>(
               [&] { p.wait(t, std::chrono::milliseconds(100)); },
@@ -382,6 +385,7 @@ TEST(ShmP2P, InPlaceErrorsNameThePeerTagAndSizes) {
               {"from rank 0", "tag 5", std::to_string(big.size()) + " bytes",
                "expects " + std::to_string(small.size())},
               "a size mismatch went through");
+          c.barrier();
           c.barrier();
           // Take tag 9 now, or rank 0's buffer would go while still announced.
           p.wait(p.postRecv(0, 9, big.data(), big.size()));

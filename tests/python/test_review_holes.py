@@ -357,3 +357,23 @@ def test_a_dropped_receive_takes_no_later_message(drop_buffer):
     step's) is withdrawn: the next receive with its tag gets the message,
     instead of the stale one taking it into memory that may be gone."""
     run_ranks(_dropped_recv_body, 2, drop_buffer, pg_timeout_s=10, timeout=60)
+
+
+def _dropped_on_completion_body(rank, world):
+    """Async collectives whose caller polls them and drops each the moment it
+    completes: none is freed on the group's worker thread (which must not
+    drop Python objects: at interpreter exit that aborts the process)."""
+    from dsparallel import _C
+
+    before = _C.works_freed_on_worker()
+    for _ in range(3000):
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        while not work.is_completed():
+            pass
+        del work
+    dist.barrier()
+    return _C.works_freed_on_worker() - before
+
+
+def test_works_dropped_on_completion_are_never_freed_on_the_worker():
+    assert run_ranks(_dropped_on_completion_body, 2) == [0, 0]

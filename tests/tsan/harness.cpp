@@ -8,6 +8,8 @@
 //             on them (dropping each Work at once), a third exchanges
 //             point-to-point messages with the ring neighbours on a second
 //             group while a fourth polls the same receive's Work;
+//   completion: a receive waited on by one thread and polled by another,
+//             completed once;
 //   reducer:  DDP's bucketed all-reduce: hooks on the backward's thread,
 //             all-reduces on the group's worker, the final wait, three
 //             iterations (the buckets are rebuilt after the first), in
@@ -167,6 +169,35 @@ void backendScenario(int size) {
             " Work(s) freed on a worker thread");
 }
 
+// A receive that one thread waits on while another polls isCompleted()
+// completes once: its copy-back into a non-contiguous tensor (2 MB,
+// transposed, milliseconds long) does not run again after the waiter has
+// written its own value. (From Python the GIL keeps the poll and the write
+// apart; a C++ caller has no such luck.)
+void completionScenario() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  ranks(2, [&](int rank) {
+    Group pair = makeGroup(store, "pair", rank, 2);
+    auto backend = pair->getBackend(c10::DeviceType::CPU);
+    for (int i = 0; i < 20; ++i) {
+      std::vector<at::Tensor> in = {at::zeros({512, 1024}).t()};
+      auto recv = backend->recv(in, 1 - rank, i);
+      std::atomic<bool> stop{false};
+      std::thread poller([&] {
+        while (!stop.load()) recv->isCompleted();
+      });
+      std::vector<at::Tensor> out = {at::full({1024, 512}, double(i))};
+      backend->send(out, 1 - rank, i)->wait();
+      recv->wait();
+      in[0].fill_(-1.0);
+      stop.store(true);
+      poller.join();
+      check(in[0].eq(-1.0).all().item<bool>(),
+            "round " + std::to_string(i) + ": the receive was copied back again");
+    }
+  });
+}
+
 void reducerScenario(int size, bool as_view) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   ranks(size, [&](int rank) {
@@ -269,6 +300,7 @@ void pipelineScenario() {
 int main() {
   at::set_num_threads(1);  // torch's own pool is not instrumented
   backendScenario(3);
+  completionScenario();
   std::puts("backend: done");
   reducerScenario(2, false);
   reducerScenario(2, true);

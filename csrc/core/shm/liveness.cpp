@@ -56,7 +56,8 @@ uint64_t processStartTime(int pid) {
   return 0;
 }
 
-PeerLiveness::PeerLiveness(int size) : peers_(size) {}
+PeerLiveness::PeerLiveness(int size, bool use_pidfd)
+    : peers_(size), use_pidfd_(use_pidfd) {}
 
 PeerLiveness::~PeerLiveness() {
   for (const Peer& p : peers_) {
@@ -67,7 +68,7 @@ PeerLiveness::~PeerLiveness() {
 void PeerLiveness::watch(int r, int pid) {
   Peer& p = peers_[r];
   p.pid = pid;
-  p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  p.pidfd = use_pidfd_ ? static_cast<int>(syscall(SYS_pidfd_open, pid, 0)) : -1;
   if (p.pidfd < 0) p.start_time = processStartTime(pid);
 }
 

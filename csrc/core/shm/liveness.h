@@ -7,7 +7,8 @@
 // known to be its own), each is watched through a pidfd (pidfd_open, Linux
 // 5.3), which refers to that process and no other, or where the kernel has
 // none through its start time in /proc, which a new process with the same
-// pid does not share. Peers must be in this PID namespace: ranks in another
+// pid does not share (start times count clock ticks of 10 ms, and a peer
+// that has joined a group has lived longer than one). Peers must be in this PID namespace: ranks in another
 // one are another host (see the backend's host identity).
 //
 // Plain C++17, no torch.
@@ -24,7 +25,8 @@ bool processAlive(int pid);
 
 class PeerLiveness {
  public:
-  explicit PeerLiveness(int size);
+  // use_pidfd false: by start time alone, as on a kernel without pidfds.
+  explicit PeerLiveness(int size, bool use_pidfd = true);
   ~PeerLiveness();
   PeerLiveness(const PeerLiveness&) = delete;
   PeerLiveness& operator=(const PeerLiveness&) = delete;
@@ -44,6 +46,7 @@ class PeerLiveness {
     uint64_t start_time = 0;  // /proc/<pid>/stat field 22; 0: unknown
   };
   std::vector<Peer> peers_;
+  bool use_pidfd_;
 };
 
 // /proc/<pid>/stat's start time (clock ticks after boot); 0 if unreadable.
