@@ -8,6 +8,8 @@
 //             on them (dropping each Work at once), a third exchanges
 //             point-to-point messages with the ring neighbours on a second
 //             group while a fourth polls the same receive's Work;
+//   hand-off: async collectives dropped by their callers just as the
+//             worker hands them over: none freed on the worker;
 //   completion: a receive waited on by one thread and polled by another,
 //             completed once;
 //   reducer:  DDP's bucketed all-reduce: hooks on the backward's thread,
@@ -198,6 +200,35 @@ void completionScenario() {
   });
 }
 
+// Async collectives each dropped by their caller a little after their
+// future completes (a delay swept over a few microseconds, to land in the
+// worker's hand-off, which once decided by use_count() who frees the Work):
+// none is freed on the worker thread.
+void handOffScenario() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int64_t before = dsparallel::WorkDSP::freedOnWorker();
+  ranks(2, [&](int rank) {
+    Group pair = makeGroup(store, "handoff", rank, 2);
+    auto backend = pair->getBackend(c10::DeviceType::CPU);
+    c10d::AllreduceOptions opts;
+    opts.asyncOp = true;
+    for (int i = 0; i < 3000; ++i) {
+      std::vector<at::Tensor> t = {at::ones({4})};
+      auto work = backend->allreduce(t, opts);
+      auto future = work->getFuture();
+      while (!future->completed()) {
+      }
+      const auto until =
+          std::chrono::steady_clock::now() + std::chrono::nanoseconds(i % 60 * 100);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      work.reset();
+    }
+  });
+  const int64_t freed = dsparallel::WorkDSP::freedOnWorker() - before;
+  check(freed == 0, std::to_string(freed) + " Work(s) freed on a worker thread");
+}
+
 void reducerScenario(int size, bool as_view) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   ranks(size, [&](int rank) {
@@ -301,6 +332,7 @@ int main() {
   at::set_num_threads(1);  // torch's own pool is not instrumented
   backendScenario(3);
   completionScenario();
+  handOffScenario();
   std::puts("backend: done");
   reducerScenario(2, false);
   reducerScenario(2, true);
