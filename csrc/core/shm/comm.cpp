@@ -1,13 +1,10 @@
 #include "comm.h"
 
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "../cpu_cache.h"
