@@ -1,5 +1,19 @@
-"""Small reference models built from dsparallel's layers."""
+"""Models built from dsparallel's layers: the small reference GPT, and
+Llama and DeepSeek-V3 from Hugging Face configs and checkpoints."""
 
+from .causal_lm import CausalLMOutput
+from .checkpoint_io import from_pretrained
+from .deepseek_v3 import DeepseekV3
 from .gpt import GPTConfig, build_stage, gpt_loss, stage_blocks
+from .llama import Llama
 
-__all__ = ["GPTConfig", "build_stage", "gpt_loss", "stage_blocks"]
+__all__ = [
+    "CausalLMOutput",
+    "DeepseekV3",
+    "GPTConfig",
+    "Llama",
+    "build_stage",
+    "from_pretrained",
+    "gpt_loss",
+    "stage_blocks",
+]

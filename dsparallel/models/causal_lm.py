@@ -1,0 +1,351 @@
+"""What Llama and DeepSeek-V3 share around their decoder layers: the
+embedding, the final norm and LM head, the cut into pipeline stages, the
+forward users know (``out = model(input_ids, labels=...)``), and the way
+into and out of a Hugging Face checkpoint.
+
+A model is built on the meta device and then given this rank's storage
+only, so neither a fresh model nor ``from_pretrained`` ever holds a whole
+tensor it does not keep (``from_pretrained`` at most its shard plus the
+block of one tensor being read).
+
+Under pipeline parallelism each rank holds its stage's decoder layers
+(the first stage also the embedding, the last the norm and LM head).
+``model(...)`` then runs a forward-only pass through the stages (every
+rank of the pipeline calls it with the same inputs; the last stage returns
+the logits and loss): for evaluation. Training runs the stages under one of
+the pipeline schedules through ``model.pipeline_stage()`` and
+``model.loss_fn``, as the GPT does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import tensor_parallel as tp
+from ..checkpoint import checkpoint as recompute
+from .gpt import stage_blocks
+from .hf_config import read_config
+from .hf_map import initial_value, materialize, rows, split
+from .layers import Layout, RMSNorm, attention_mask_for, check_split
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """``logits``: [batch, seq, vocab] (None on a stage that is not the
+    last, and when labels were given without ``return_logits``);
+    ``loss``: the mean next-token cross entropy over labels that are not
+    -100 (labels are shifted inside, as in ``transformers``)."""
+
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+class CausalLM(nn.Module):
+    """Subclasses set ``model_type``, ``architecture``, ``defaults`` (the
+    config fields ``transformers`` fills in) and build ``make_layer(i)``,
+    ``make_rotary()`` and ``check(config)``."""
+
+    model_type = ""
+    architecture = ""
+    defaults: dict = {}
+
+    def __init__(
+        self,
+        config,
+        state=None,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        checkpoint: bool = False,
+        _initialize: bool = True,
+    ):
+        super().__init__()
+        cfg = read_config(config, self.model_type, self.defaults)
+        self.config = cfg
+        self.layout = lay = Layout.of(state)
+        self.checkpoint = checkpoint
+        self.check(cfg)
+        vocab, hidden = cfg.vocab_size, cfg.hidden_size
+        check_split("vocab_size", vocab, lay.tp_size)
+        self.is_first, self.is_last = lay.pp_rank == 0, lay.pp_rank == lay.pp_size - 1
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        embed_key = "model.embed_tokens.weight"
+        g, r, n = lay.tp_group, lay.tp_rank, lay.tp_size
+        self.rotary = self.make_rotary()
+        if self.is_first:
+            self.embed_tokens = tp.VocabParallelEmbedding(vocab, hidden, group=g, device="meta")
+            self.embed_tokens.hf_specs = {"weight": rows(embed_key, (vocab, hidden), r, n)}
+        blocks = stage_blocks(cfg.num_hidden_layers, lay.pp_rank, lay.pp_size)
+        self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in blocks})
+        # Parameters another stage also holds and saves (a tied LM head).
+        self._copies: set[str] = set()
+        self._tied_group = None
+        if self.is_last:
+            self.norm = RMSNorm(hidden, cfg.rms_norm_eps, "model.norm.weight")
+            if not (self.tied and self.is_first):
+                self.lm_head = tp.ColumnParallelLinear(
+                    hidden, vocab, bias=False, group=g, device="meta"
+                )
+                key = embed_key if self.tied else "lm_head.weight"
+                self.lm_head.hf_specs = {"weight": rows(key, (vocab, hidden), r, n)}
+                if self.tied:
+                    self._copies.add("lm_head.weight")
+        if self.tied and lay.pp_size > 1:
+            self._tied_group = _first_last_stage_group(lay)
+        # to_empty makes new Parameters (meta -> cpu): carry over the marks
+        # our DDP, ZeRO and dtype handling read.
+        marks = {n: _dsp_marks(p) for n, p in self.named_parameters()}
+        self.to_empty(device="cpu")
+        for name, p in self.named_parameters():
+            for key, value in marks[name].items():
+                setattr(p, key, value)
+        for p in self.parameters():
+            if dtype is not None and not getattr(p, "_dsp_keep_fp32", False):
+                p.data = p.data.to(dtype)
+        if _initialize:
+            self._initialize(seed)
+
+    # ------------------------------------------------------------ subclasses
+
+    def check(self, cfg) -> None:
+        pass
+
+    def make_layer(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_rotary(self):
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+    ) -> CausalLMOutput:
+        """As ``transformers``' causal LM forward: ``input_ids`` [batch,
+        seq], ``attention_mask`` [batch, seq] (1 keeps a token; left or
+        right padding), ``position_ids`` by default 0..seq-1. The logits
+        are gathered over tensor parallelism only when returned
+        (``return_logits``, by default when no labels are given); the loss
+        never needs them gathered."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        for name, t in (("attention_mask", attention_mask), ("labels", labels)):
+            if t is not None and tuple(t.shape) != (b, s):
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, input_ids {tuple(input_ids.shape)}: "
+                    "they must match"
+                )
+        if return_logits is None:
+            return_logits = labels is None
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
+        mask = attention_mask_for(attention_mask, s)
+        if self.layout.pp_size == 1:
+            h = self.run_layers(self.embed_tokens(input_ids), position_ids, mask)
+            return self._output(h, labels, return_logits)
+        with torch.no_grad():
+            return self._pipelined(input_ids, labels, position_ids, mask, return_logits)
+
+    def run_layers(self, h, position_ids, mask) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
+        for layer in self.layers.values():
+            if self.checkpoint and torch.is_grad_enabled():
+                h = recompute(layer, h, cos, sin, mask)
+            else:
+                h = layer(h, cos, sin, mask)
+        return h
+
+    def vocab_parallel_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits of the last stage."""
+        h = self.norm(h)
+        if self.tied and self.is_first:
+            return F.linear(self.layout.copy_to(h), self.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross entropy of vocabulary-parallel logits: position
+        t predicts labels[t + 1], -100 ignored, mean over the rest."""
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        return tp.vocab_parallel_cross_entropy(
+            logits, shifted, group=self.layout.tp_group, ignore_index=IGNORE_INDEX
+        )
+
+    def _output(self, h, labels, return_logits) -> CausalLMOutput:
+        local = self.vocab_parallel_logits(h)
+        out = CausalLMOutput()
+        if labels is not None:
+            out.loss = self.loss_fn(local, labels)
+        if return_logits:
+            lay = self.layout
+            out.logits = (
+                local
+                if lay.tp_size == 1
+                else tp.gather_from_tensor_parallel_region(local, lay.tp_group)
+            )
+        return out
+
+    def _pipelined(self, input_ids, labels, position_ids, mask, return_logits):
+        lay = self.layout
+        b, s = input_ids.shape
+        if self.is_first:
+            h = self.embed_tokens(input_ids)
+        else:
+            h = torch.empty(b, s, self.config.hidden_size, dtype=self._dtype())
+            dist.recv(h, group=lay.pp_group, group_src=lay.pp_rank - 1)
+        h = self.run_layers(h, position_ids, mask)
+        if not self.is_last:
+            dist.send(h.contiguous(), group=lay.pp_group, group_dst=lay.pp_rank + 1)
+            return CausalLMOutput()
+        return self._output(h, labels, return_logits)
+
+    def _dtype(self) -> torch.dtype:
+        return next(p.dtype for n, p in self.named_parameters() if "norm" in n)
+
+    # --------------------------------------------------------------- pipeline
+
+    def pipeline_stage(self):
+        """This rank's stage for a pipeline schedule (one stage per rank):
+        its input is the token ids (first stage) or the previous stage's
+        hidden states, its output the hidden states or, on the last stage,
+        the vocabulary-parallel logits for ``loss_fn``. Causal attention
+        without padding, positions 0..seq-1."""
+        from ..pipeline import PipelineStage
+
+        lay = self.layout
+        return PipelineStage(_Stage(self), lay.pp_rank, lay.pp_size, group=lay.pp_group)
+
+    def allreduce_tied_grads(self) -> None:
+        """With tied embeddings under pipeline parallelism the last stage
+        holds a copy of the embedding as its LM head: sums the two copies'
+        gradients (as Megatron does) so that they stay equal. Call it after
+        backward, before the optimizer step, on every rank."""
+        if self._tied_group is None:
+            return
+        p = self.embed_tokens.weight if self.is_first else self.lm_head.weight
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=self._tied_group)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_map(self) -> dict:
+        """Our parameter and buffer names -> where they lie in a checkpoint."""
+        out = {}
+        for prefix, module in self.named_modules():
+            for name, node in getattr(module, "hf_specs", {}).items():
+                out[f"{prefix}.{name}" if prefix else name] = node
+        return out
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.get_parameter(name)
+        except AttributeError:
+            return self.get_buffer(name)
+
+    @torch.no_grad()
+    def _initialize(self, seed: int) -> None:
+        std = self.config.get("initializer_range", 0.02)
+        for name, node in self.checkpoint_map().items():
+            t = self._tensor(name)
+            full = materialize(node, lambda p: initial_value(p.key, p.shape, seed, std)[p.index()])
+            t.copy_(full)
+
+    @torch.no_grad()
+    def load_hf(self, read) -> set[str]:
+        """Fills every parameter from ``read(piece)``; returns the keys read."""
+        used = set()
+
+        def block(piece):
+            used.add(piece.key)
+            return read(piece)
+
+        for name, node in self.checkpoint_map().items():
+            t = self._tensor(name)
+            t.copy_(materialize(node, block))  # copy_ casts to the model's dtype
+        return used
+
+    def hf_blocks(self, grads: bool = False):
+        """(piece, block) of everything this rank saves: its parameters and
+        buffers (or the parameters' gradients, zeros where none) cut back
+        into checkpoint blocks."""
+        out = []
+        params = dict(self.named_parameters())
+        for name, node in self.checkpoint_map().items():
+            if name in self._copies or (grads and name not in params):
+                continue
+            t = self._tensor(name)
+            if grads:
+                t = t.grad if t.grad is not None else torch.zeros_like(t)
+            out.extend((piece, b.detach().cpu().clone()) for piece, b in split(node, t))
+        return out
+
+    def save_pretrained(self, path: str) -> None:
+        """A Hugging Face checkpoint of the whole model (every rank calls
+        it): each pipeline stage's tensors are gathered on that stage's
+        first rank, which writes them as one safetensors file; the first
+        rank writes the index and config.json. ``transformers``'
+        ``from_pretrained`` loads it."""
+        from .checkpoint_io import save_pretrained
+
+        save_pretrained(self, path)
+
+    def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model (or its gradients) under checkpoint names, on
+        every rank: for tests and small models (everything is gathered)."""
+        from .checkpoint_io import gather_full
+
+        return gather_full(self, grads)
+
+    def config_dict(self) -> dict:
+        values = self.config.to_dict()
+        values["architectures"] = [self.architecture]
+        values["model_type"] = self.model_type
+        values["dtype"] = str(self._dtype()).removeprefix("torch.")
+        return values
+
+
+def _dsp_marks(p: torch.Tensor) -> dict:
+    return {k: v for k, v in vars(p).items() if k.startswith("_dsp_")}
+
+
+class _Stage(nn.Module):
+    """A model's stage as a pipeline schedule calls it: one tensor in, one out."""
+
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        h = m.embed_tokens(x) if m.is_first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        h = m.run_layers(h, positions, None)
+        return m.vocab_parallel_logits(h) if m.is_last else h
+
+
+def _first_last_stage_group(lay: Layout):
+    """The group of the first and last stage's ranks at this rank's
+    (dp, tp) place; every rank creates every such group, in one order."""
+    grid = lay.mesh.mesh  # [pp, dp, tp] global ranks
+    me = dist.get_rank()
+    mine = None
+    for d in range(grid.shape[1]):
+        for t in range(grid.shape[2]):
+            ranks = [int(grid[0, d, t]), int(grid[-1, d, t])]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine = group
+    return mine

@@ -1,0 +1,291 @@
+"""DeepSeek-V3, the maths of ``transformers``' ``DeepseekV3ForCausalLM``:
+multi-head latent attention, then a dense SwiGLU MLP in the first
+``first_k_dense_replace`` layers and a mixture of experts in the rest.
+
+Multi-head latent attention (per token, n heads)::
+
+    q        = q_b(rmsnorm(q_a(x)))          (or q_proj(x) without q_lora_rank)
+    c, k_pe  = kv_a(x)                       latent [kv_lora_rank], shared rope key
+    k_nope,v = kv_b(rmsnorm(c))              per head
+    q = [q_nope, rope(q_pe)], k = [k_nope, rope(k_pe)]
+    out      = o(softmax(q k^T * scale) v)
+
+Heads are split over tensor parallelism: ``q_b`` (or ``q_proj``) and
+``kv_b`` column-parallel, ``o`` row-parallel. The down projections
+``q_a`` and ``kv_a`` and their norms are small and replicated; their
+outputs enter the head-split part through the copy map, whose backward
+all-reduces the partial gradients of every rank's heads (this also covers
+the shared rope key, which every head reads).
+
+The MoE layer: sigmoid scores of a float32 router; the top ``topk_group``
+of ``n_group`` expert groups (a group scored by the sum of its two best
+``score + e_score_correction_bias``), then the ``num_experts_per_tok``
+best experts inside them; weights are the chosen scores (without the
+bias), renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``.
+Routed experts (SwiGLU) are split over the expert-parallel group and
+reached through the C++ dispatch/combine ops; the shared experts are one
+SwiGLU split over tensor parallelism. Experts are not split by tensor
+parallelism: every rank of a tensor-parallel group routes the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import tensor_parallel as tp
+from ..moe.ops import Plan, combine, dispatch
+from .causal_lm import CausalLM
+from .hf_config import rope_frequencies, softmax_scale
+from .hf_map import Cat, Stack, cols, rows, whole
+from .layers import Layout, RMSNorm, Rotary, SwiGLU, check_split
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg, index: int, layout: Layout, rotary: Rotary):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        n, r = layout.tp_size, layout.tp_rank
+        check_split("num_attention_heads", heads, n)
+        self.nope, self.rope_dim, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
+        qk = self.nope + self.rope_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.q_lora = cfg.get("q_lora_rank")
+        self.layout, self.rotary = layout, rotary
+        self.scale = softmax_scale(cfg.rope_parameters, qk)
+        pre = f"model.layers.{index}.self_attn"
+        eps = cfg.rms_norm_eps
+        local = heads // n
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, device="meta"))
+
+        specs = {}
+        if self.q_lora:
+            self.q_a = param(self.q_lora, h)
+            self.q_a_layernorm = RMSNorm(self.q_lora, eps, f"{pre}.q_a_layernorm.weight")
+            self.q_b = param(local * qk, self.q_lora)
+            specs["q_a"] = whole(f"{pre}.q_a_proj.weight", (self.q_lora, h))
+            specs["q_b"] = rows(f"{pre}.q_b_proj.weight", (heads * qk, self.q_lora), r, n)
+        else:
+            self.q = param(local * qk, h)
+            specs["q"] = rows(f"{pre}.q_proj.weight", (heads * qk, h), r, n)
+        self.kv_a = param(self.kv_lora + self.rope_dim, h)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps, f"{pre}.kv_a_layernorm.weight")
+        self.kv_b = param(local * (self.nope + self.v_dim), self.kv_lora)
+        specs["kv_a"] = whole(f"{pre}.kv_a_proj_with_mqa.weight", (self.kv_lora + self.rope_dim, h))
+        specs["kv_b"] = rows(
+            f"{pre}.kv_b_proj.weight", (heads * (self.nope + self.v_dim), self.kv_lora), r, n
+        )
+        self.o_proj = tp.RowParallelLinear(
+            heads * self.v_dim, h, bias=False, group=layout.tp_group, device="meta"
+        )
+        self.o_proj.hf_specs = {
+            "weight": cols(f"{pre}.o_proj.weight", (h, heads * self.v_dim), r, n)
+        }
+        self.hf_specs = specs
+
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        lay = self.layout
+        if self.q_lora:
+            q = F.linear(lay.copy_to(self.q_a_layernorm(F.linear(x, self.q_a))), self.q_b)
+        else:
+            q = F.linear(lay.copy_to(x), self.q)
+        q = q.view(b, s, -1, self.nope + self.rope_dim).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = F.linear(x, self.kv_a).split([self.kv_lora, self.rope_dim], dim=-1)
+        latent = lay.copy_to(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
+        latent, k_pe = latent.split([self.kv_lora, self.rope_dim], dim=-1)
+        kv = F.linear(latent, self.kv_b).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_pe = self.rotary.apply(q_pe, cos, sin)
+        k_pe = self.rotary.apply(k_pe.unsqueeze(1), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Router(nn.Module):
+    """DeepSeek-V3's group-limited top-k router (see the module docstring);
+    the weight and the correction bias stay float32 whatever the model's
+    dtype, as in ``transformers``."""
+
+    def __init__(self, cfg, prefix: str):
+        super().__init__()
+        self.experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.groups, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+        self.norm_topk_prob = cfg.get("norm_topk_prob", True)
+        self.scaling = cfg.get("routed_scaling_factor", 1.0)
+        self.weight = nn.Parameter(torch.empty(self.experts, cfg.hidden_size, device="meta"))
+        self.weight._dsp_keep_fp32 = True
+        self.register_buffer("e_score_correction_bias", torch.empty(self.experts, device="meta"))
+        self.hf_specs = {
+            "weight": whole(f"{prefix}.gate.weight", (self.experts, cfg.hidden_size)),
+            "e_score_correction_bias": whole(
+                f"{prefix}.gate.e_score_correction_bias", (self.experts,)
+            ),
+        }
+
+    def forward(self, x: torch.Tensor):
+        """x [tokens, hidden] -> (expert indices [tokens, top_k], weights float32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        with torch.no_grad():
+            choice = scores + self.e_score_correction_bias
+            per_group = choice.view(-1, self.groups, self.experts // self.groups)
+            group_scores = per_group.topk(2, dim=-1).values.sum(-1)
+            best = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+            keep = keep.unsqueeze(-1).expand_as(per_group).reshape(-1, self.experts)
+            idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)
+            idx = idx.indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """This rank's routed experts, SwiGLU, stacked as ``transformers``
+    holds them in memory: gate_up [local, 2 * ffn, hidden] (gate rows,
+    then up rows) and down [local, hidden, ffn]; on disk each expert is
+    three tensors, ``experts.{j}.{gate,up,down}_proj.weight``."""
+
+    def __init__(self, cfg, prefix: str, first: int, count: int, ep_group):
+        super().__init__()
+        h, ffn = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(count, 2 * ffn, h, device="meta"))
+        self.down = nn.Parameter(torch.empty(count, h, ffn, device="meta"))
+        for p in (self.gate_up, self.down):
+            # Read by our DDP and ZeRO: reduced over the ranks holding the
+            # same experts.
+            p._dsp_expert_group = ep_group
+        ex = [f"{prefix}.experts.{first + j}" for j in range(count)]
+        shape = (ffn, h)
+        self.hf_specs = {
+            "gate_up": Stack(
+                tuple(
+                    Cat(
+                        (whole(f"{e}.gate_proj.weight", shape), whole(f"{e}.up_proj.weight", shape))
+                    )
+                    for e in ex
+                )
+            ),
+            "down": Stack(tuple(whole(f"{e}.down_proj.weight", (h, ffn)) for e in ex)),
+        }
+
+    def forward(self, rows_: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """``rows_`` in blocks of ``chunks`` [(local expert, rows), ...]."""
+        parts = rows_.split([c for _, c in chunks])
+        out = []
+        for (e, _), part in zip(chunks, parts):
+            gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, self.down[e]))
+        return torch.cat(out) if out else rows_
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg, index: int, layout: Layout):
+        super().__init__()
+        pre = f"model.layers.{index}.mlp"
+        experts = cfg.n_routed_experts
+        check_split("n_routed_experts", experts, layout.ep_size, "expert-parallel size")
+        check_split("n_routed_experts", experts, cfg.get("n_group", 1), "n_group")
+        local = experts // layout.ep_size
+        self.ep_group = layout.ep_group
+        self.num_experts, self.top_k = experts, cfg.num_experts_per_tok
+        self.gate = Router(cfg, pre)
+        self.experts = Experts(cfg, pre, layout.ep_rank * local, local, layout.ep_group)
+        self.shared_experts = SwiGLU(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size * cfg.get("n_shared_experts", 1),
+            f"{pre}.shared_experts",
+            layout,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, weights = self.gate(flat)
+        weights = weights.to(x.dtype)
+        if self.ep_group is not None:
+            plan = Plan(idx, self.num_experts, self.ep_group)
+            routed = combine(self.experts(dispatch(flat, plan), plan.chunks()), weights, plan)
+        else:
+            routed = self._local(flat, idx, weights)
+        return routed.view(shape) + self.shared_experts(x)
+
+    def _local(self, x, idx, weights):
+        """Every expert in this process: assignments sorted by expert, each
+        expert's block through it, the outputs weighted back per token."""
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        y = self.experts(x.index_select(0, order // self.top_k), list(enumerate(counts)))
+        slots = x.new_zeros(flat.numel(), x.shape[1]).index_copy(0, order, y)
+        return torch.bmm(weights.unsqueeze(1), slots.view(-1, self.top_k, x.shape[1])).squeeze(1)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg, index: int, layout: Layout, rotary: Rotary):
+        super().__init__()
+        pre = f"model.layers.{index}"
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, f"{pre}.input_layernorm.weight")
+        self.self_attn = MLA(cfg, index, layout, rotary)
+        self.post_attention_layernorm = RMSNorm(h, eps, f"{pre}.post_attention_layernorm.weight")
+        if index >= cfg.get("first_k_dense_replace", 0):
+            self.mlp = DeepseekMoE(cfg, index, layout)
+        else:
+            self.mlp = SwiGLU(h, cfg.intermediate_size, f"{pre}.mlp", layout)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3(CausalLM):
+    """``DeepseekV3(config, state=None)``: as ``Llama``, with the routed
+    experts split over ``init_parallel``'s expert-parallel group."""
+
+    model_type = "deepseek_v3"
+    architecture = "DeepseekV3ForCausalLM"
+    defaults = {
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "rope_interleave": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "n_shared_experts": 1,
+    }
+
+    def check(self, cfg) -> None:
+        scoring = cfg.get("scoring_func", "sigmoid")
+        method = cfg.get("topk_method", "noaux_tc")
+        if scoring != "sigmoid" or method != "noaux_tc":
+            raise NotImplementedError(
+                f"DeepseekV3: scoring_func={scoring!r}, topk_method={method!r} are not "
+                "supported (DeepSeek-V3 uses sigmoid and noaux_tc)"
+            )
+        if cfg.get("attention_bias"):
+            raise NotImplementedError("DeepseekV3: attention_bias is not supported")
+
+    def make_rotary(self) -> Rotary:
+        cfg = self.config
+        inv, scaling = rope_frequencies(cfg.rope_parameters, cfg.qk_rope_head_dim)
+        return Rotary(inv, scaling, interleave=bool(cfg.rope_interleave))
+
+    def make_layer(self, index: int) -> nn.Module:
+        return DeepseekV3DecoderLayer(self.config, index, self.layout, self.rotary)

@@ -1,0 +1,124 @@
+"""Where each of our parameters lies in a Hugging Face checkpoint.
+
+Every parameter (and persistent buffer) of a model states, next to its
+definition, how this rank's tensor is made from checkpoint tensors: a
+``Piece`` is a block of one named tensor (whole, or a range of rows or
+columns), ``Cat`` joins pieces along a dim (a fused gate/up weight: this
+rank's gate rows, then its up rows), ``Stack`` stacks them (the experts
+of a layer). The one description serves both directions: ``materialize``
+reads a parameter from the checkpoint (each piece through its own slice,
+never the whole tensor), ``split`` cuts a parameter back into pieces for
+``save_pretrained`` to reassemble.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: str  # the checkpoint's name
+    shape: tuple[int, ...]  # the whole tensor's shape
+    dim: int | None = None  # None: the whole tensor; else rows (0) or columns (1)
+    start: int = 0
+    length: int = 0
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.dim] = self.length
+        return tuple(shape)
+
+    def index(self) -> tuple:
+        """The block as an index into the whole tensor."""
+        if self.dim is None:
+            return (...,)
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
+
+
+@dataclass(frozen=True)
+class Cat:
+    parts: tuple
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Stack:
+    parts: tuple
+
+
+Node = Union[Piece, Cat, Stack]
+
+
+def whole(key: str, shape) -> Piece:
+    return Piece(key, tuple(shape))
+
+
+def rows(key: str, shape, rank: int, size: int) -> Piece:
+    """Rank's contiguous share of the rows (dim 0)."""
+    return _even(key, tuple(shape), 0, rank, size)
+
+
+def cols(key: str, shape, rank: int, size: int) -> Piece:
+    """Rank's contiguous share of the columns (dim 1)."""
+    return _even(key, tuple(shape), 1, rank, size)
+
+
+def _even(key, shape, dim, rank, size) -> Piece:
+    n = shape[dim] // size
+    return Piece(key, shape, dim, rank * n, n)
+
+
+def node_shape(node: Node) -> tuple[int, ...]:
+    if isinstance(node, Piece):
+        return node.block_shape
+    shapes = [node_shape(p) for p in node.parts]
+    if isinstance(node, Stack):
+        return (len(shapes), *shapes[0])
+    out = list(shapes[0])
+    out[node.dim] = sum(s[node.dim] for s in shapes)
+    return tuple(out)
+
+
+def pieces_of(node: Node) -> list[Piece]:
+    if isinstance(node, Piece):
+        return [node]
+    return [p for part in node.parts for p in pieces_of(part)]
+
+
+def materialize(node: Node, read: Callable[[Piece], torch.Tensor]) -> torch.Tensor:
+    if isinstance(node, Piece):
+        return read(node)
+    parts = [materialize(p, read) for p in node.parts]
+    return torch.stack(parts) if isinstance(node, Stack) else torch.cat(parts, node.dim)
+
+
+def split(node: Node, tensor: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+    """The inverse of ``materialize``: (piece, its block of ``tensor``)."""
+    if isinstance(node, Piece):
+        return [(node, tensor)]
+    if isinstance(node, Stack):
+        blocks = tensor.unbind(0)
+    else:
+        blocks = tensor.split([node_shape(p)[node.dim] for p in node.parts], node.dim)
+    return [pair for part, block in zip(node.parts, blocks) for pair in split(part, block)]
+
+
+def initial_value(key: str, shape, seed: int, std: float) -> torch.Tensor:
+    """The value a freshly built model gives checkpoint tensor ``key``,
+    from a generator seeded by the seed and the name alone: the same model
+    in every layout. Norm weights are ones, DeepSeek's score-correction
+    bias zeros, everything else N(0, std) as ``transformers`` initialises."""
+    if key.endswith("norm.weight"):
+        return torch.ones(shape)
+    if key.endswith("e_score_correction_bias"):
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.empty(shape).normal_(0.0, std, generator=g)

@@ -1,0 +1,167 @@
+"""The pieces Llama and DeepSeek-V3 share: the layout a model is cut by,
+RMSNorm, rotary embeddings, the attention mask, and the SwiGLU MLP split
+over tensor parallelism.
+
+Every module here keeps ``hf_specs``: for each of its parameters, where it
+lies in a Hugging Face checkpoint (``hf_map``); the model walks them to
+load, initialise and save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import tensor_parallel as tp
+from .hf_map import Cat, cols, rows, whole
+
+
+class _Solo:
+    """The tensor-parallel "group" of a model in one process: the layers
+    see size 1 and run as their plain counterparts, with no collective."""
+
+    group_name = ""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a model needs of ``init_parallel``'s state (all sizes 1 for
+    ``state=None``)."""
+
+    tp_group: object
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    mesh: object = None
+
+    @classmethod
+    def of(cls, state) -> Layout:
+        if state is None:
+            return cls(tp_group=_Solo())
+        return cls(
+            tp_group=state.tp_group,
+            tp_size=state.tp_size,
+            tp_rank=state.tp_rank,
+            pp_group=state.pp_group,
+            pp_size=state.pp_size,
+            pp_rank=state.pp_rank,
+            ep_group=state.ep_group,
+            ep_size=state.ep_size,
+            ep_rank=state.ep_rank,
+            mesh=state.mesh,
+        )
+
+    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp_size == 1 else tp.copy_to_tensor_parallel_region(x, self.tp_group)
+
+    def reduce_from(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp_size == 1 else tp.reduce_from_tensor_parallel_region(x, self.tp_group)
+
+
+def check_split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> None:
+    if value % size:
+        raise ValueError(f"{what}={value} is not divisible by the {over} {size}")
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the
+    weight, as ``transformers``' LlamaRMSNorm."""
+
+    def __init__(self, size: int, eps: float, key: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, device="meta"))
+        self.hf_specs = {"weight": whole(key, (size,))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary:
+    """cos/sin of the positions (computed per call: a few kilobytes) and
+    their application, half-split (Llama) or in interleaved pairs
+    (DeepSeek's ``rope_interleave``, whose output comes de-interleaved, as
+    ``transformers`` emits it)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, interleave: bool = False):
+        self.inv_freq, self.scaling, self.interleave = inv_freq, scaling, interleave
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [batch, heads, seq, dim]; cos, sin [batch, seq, dim]."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.interleave:
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half], sin[..., :half]
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention_mask_for(attention_mask: torch.Tensor | None, seq: int) -> torch.Tensor | None:
+    """The boolean [batch, 1, seq, seq] mask (True attends) of causal
+    attention over the keys ``attention_mask`` [batch, seq] keeps; None for
+    plain causal attention. A query with no key to attend to (a left pad)
+    attends to all: its output is never used, and a row of -inf would turn
+    it into NaN that the next layer's keys carry."""
+    if attention_mask is None:
+        return None
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal & attention_mask.bool()[:, None, None, :]
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
+def attend(q, k, v, mask, scale: float) -> torch.Tensor:
+    """[batch, heads, seq, dim] attention, causal when ``mask`` is None."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+    )
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one
+    column-parallel weight (this rank's gate rows, then its up rows) and
+    down row-parallel: one all-reduce forward, one backward."""
+
+    def __init__(self, hidden: int, ffn: int, prefix: str, layout: Layout):
+        super().__init__()
+        check_split(f"{prefix}: intermediate_size", ffn, layout.tp_size)
+        g, r, n = layout.tp_group, layout.tp_rank, layout.tp_size
+        self.gate_up = tp.ColumnParallelLinear(hidden, 2 * ffn, bias=False, group=g, device="meta")
+        self.down = tp.RowParallelLinear(ffn, hidden, bias=False, group=g, device="meta")
+        self.hf_specs = {
+            "gate_up.weight": Cat(
+                (
+                    rows(f"{prefix}.gate_proj.weight", (ffn, hidden), r, n),
+                    rows(f"{prefix}.up_proj.weight", (ffn, hidden), r, n),
+                )
+            ),
+        }
+        self.down.hf_specs = {"weight": cols(f"{prefix}.down_proj.weight", (hidden, ffn), r, n)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)

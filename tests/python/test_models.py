@@ -1,0 +1,386 @@
+"""Llama and DeepSeek-V3 from Hugging Face checkpoints, at every layout,
+held against ``transformers`` in one process.
+
+The references are tiny random ``transformers`` models built from a
+config (nothing downloaded), seeded and saved: their logits on a padded
+batch, and the loss and every gradient of one training step. Each layout
+loads the checkpoint with ``from_pretrained`` and must give the same
+logits (fp32, 1e-5), loss and gradients, and save a checkpoint equal to
+the original bit for bit.
+
+The configs exercise: grouped-query attention with fewer key/value heads
+than tensor-parallel ranks (replicated), llama3 RoPE, tied embeddings
+across the first and last pipeline stage; for DeepSeek-V3 the q low-rank
+projection, YaRN with mscale, group-limited routing with two groups, a
+dense first layer, shared experts.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+LOGITS_TOL = 1e-5
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+LLAMA = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=10000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    ),
+)
+LLAMA_TIED = dict(LLAMA, tie_word_embeddings=True, rope_parameters=None)
+DEEPSEEK = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
+MODELS = {"llama": LLAMA, "llama_tied": LLAMA_TIED, "deepseek": DEEPSEEK}
+BATCH, SEQ = 4, 12
+
+
+def _hf_model(kind: str):
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    values = {k: v for k, v in MODELS[kind].items() if v is not None}
+    if kind == "deepseek":
+        return DeepseekV3ForCausalLM(DeepseekV3Config(**values))
+    return LlamaForCausalLM(LlamaConfig(**values))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Per model: a saved checkpoint; logits of a padded batch; loss and
+    gradients (under checkpoint names) of one step on the unpadded batch."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    ref = {"ids": ids, "mask": mask, "logits": {}, "loss": {}, "grads": {}, "dirs": {}}
+    for i, kind in enumerate(MODELS):
+        torch.manual_seed(10 + i)
+        model = _hf_model(kind).float()
+        path = str(root / kind)
+        model.save_pretrained(path)
+        model.eval()  # no dropout; the same maths in train mode
+        with torch.no_grad():
+            ref["logits"][kind] = model(ids, attention_mask=mask).logits
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        ref["loss"][kind] = loss.detach()
+        names = dict(model.named_parameters())
+        grads = {}
+        for name, p in names.items():
+            grads[name] = p.grad.clone()
+        ref["grads"][kind] = _per_expert(grads)
+        ref["dirs"][kind] = path
+    torch.save(ref, root / "ref.pt")
+    return ref, str(root / "ref.pt")
+
+
+def _per_expert(grads: dict) -> dict:
+    """The fused in-memory expert tensors of ``transformers`` under the
+    per-expert names they have on disk (and in our checkpoints)."""
+    out = {}
+    for name, g in grads.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for j, block in enumerate(g):
+                gate, up = block.chunk(2, dim=0)
+                out[f"{base}{j}.gate_proj.weight"] = gate
+                out[f"{base}{j}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for j, block in enumerate(g):
+                out[f"{base}{j}.down_proj.weight"] = block
+        else:
+            out[name] = g
+    return out
+
+
+def _layout_body(rank, world, tp, pp, ep, ref_path, out_dir):
+    import torch.distributed as dist
+
+    import dsparallel
+    from dsparallel.models import from_pretrained
+    from dsparallel.pipeline import Schedule1F1B
+
+    ref = torch.load(ref_path)
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
+    ids, mask = ref["ids"], ref["mask"]
+    report = {}
+    for kind, path in ref["dirs"].items():
+        if ep > 1 and kind != "deepseek":
+            continue
+        model = from_pretrained(path, state)
+        # Logits of the padded batch, compared where the mask keeps a token.
+        out = model(ids, attention_mask=mask)
+        if model.is_last:
+            keep = mask.bool()
+            err = (out.logits - ref["logits"][kind])[keep].abs().max().item()
+            assert err < LOGITS_TOL, f"{kind}: logits differ by {err}"
+            report[f"{kind}_logits_err"] = err
+        saved = os.path.join(out_dir, f"{kind}-tp{tp}-pp{pp}-ep{ep}")
+        model.save_pretrained(saved)
+        # One training step on the unpadded batch; with expert parallelism
+        # each data-parallel rank takes its rows, as a data loader would.
+        dp, d = state.dp_size, state.dp_rank
+        rows = ids.chunk(dp)[d] if ep > 1 else ids
+        if pp == 1:
+            loss = model(rows, labels=rows).loss
+            (loss / (dp if ep > 1 else 1)).backward()
+        else:
+            stage = model.pipeline_stage()
+            schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=model.loss_fn)
+            losses = []
+            if model.is_first:
+                schedule.step(rows, target=rows if model.is_last else None)
+            else:
+                schedule.step(target=rows, losses=losses)
+            loss = torch.stack(losses).mean() if losses else None
+            model.allreduce_tied_grads()
+        if ep > 1:
+            # Expert gradients already hold every rank's tokens (through
+            # the dispatch backward); the others are summed over the ranks.
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=state.dp_group)
+            loss /= dp
+            for p in model.parameters():
+                if not hasattr(p, "_dsp_expert_group"):
+                    dist.all_reduce(p.grad, group=state.dp_group)
+        if loss is not None:
+            err = abs(loss.item() - ref["loss"][kind].item())
+            assert err < 1e-5, f"{kind}: loss {loss.item()} vs {ref['loss'][kind].item()}"
+        grads = model.hf_state_dict(grads=True)
+        expected = ref["grads"][kind]
+        assert grads.keys() == expected.keys(), (
+            f"{kind}: gradient names differ: {sorted(grads.keys() ^ expected.keys())[:5]}"
+        )
+        for key, g in grads.items():
+            torch.testing.assert_close(
+                g, expected[key], **GRAD_TOL, msg=f"{kind}: gradient of {key}"
+            )
+        report[f"{kind}_grads"] = len(grads)
+    dsparallel.destroy_parallel()
+    return report
+
+
+LAYOUTS = [
+    # (tp, pp, ep): world = tp * pp * max(ep, 1) (ep carved from dp)
+    (1, 1, 1),
+    (2, 1, 1),
+    (4, 1, 1),
+    (1, 2, 1),
+    (2, 2, 1),
+    (1, 1, 2),
+    (2, 1, 2),
+    (1, 1, 4),
+]
+
+
+@pytest.mark.parametrize("tp,pp,ep", LAYOUTS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in LAYOUTS])
+def test_hf_models_match_transformers_at_every_layout(reference, tmp_path, tp, pp, ep):
+    ref, ref_path = reference
+    world = tp * pp * ep
+    run_ranks(_layout_body, world, tp, pp, ep, ref_path, str(tmp_path), timeout=240)
+    for kind, path in ref["dirs"].items():
+        if ep > 1 and kind != "deepseek":
+            continue
+        saved = str(tmp_path / f"{kind}-tp{tp}-pp{pp}-ep{ep}")
+        original, ours = _tensors(path), _tensors(saved)
+        assert original.keys() == ours.keys(), sorted(original.keys() ^ ours.keys())[:5]
+        for key, t in original.items():
+            assert t.dtype == ours[key].dtype and torch.equal(t, ours[key]), key
+
+
+def _tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def _save_body(rank, world, path, out):
+    import dsparallel
+    from dsparallel.models import from_pretrained
+
+    state = dsparallel.init_parallel(2, 2)
+    from_pretrained(path, state).save_pretrained(out)
+    dsparallel.destroy_parallel()
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "deepseek"])
+def test_transformers_loads_what_we_save(reference, tmp_path, kind):
+    """Saved at tp 2 x pp 2 (two files and an index), loaded by
+    ``transformers``: the same logits as the original model."""
+    ref, _ = reference
+    out = str(tmp_path / "saved")
+    run_ranks(_save_body, 4, ref["dirs"][kind], out, timeout=120)
+    assert len(json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"])
+    assert len(glob.glob(os.path.join(out, "*.safetensors"))) == 2
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(ref["ids"], attention_mask=ref["mask"]).logits
+    keep = ref["mask"].bool()
+    assert (logits - ref["logits"][kind])[keep].abs().max() < LOGITS_TOL
+
+
+def test_fresh_models_are_the_same_in_every_layout():
+    """``Llama(config)`` without a checkpoint: each tensor drawn from the
+    seed and its name, so a layout's shards are slices of the one-process
+    model."""
+    from dsparallel.models import DeepseekV3, Llama
+
+    for cls, cfg in ((Llama, LLAMA), (DeepseekV3, DEEPSEEK)):
+        values = dict(cfg, model_type=cls.model_type)
+        a = cls(values, seed=3).hf_state_dict()
+        b = cls(values, seed=3).hf_state_dict()
+        c = cls(values, seed=4).hf_state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        drawn = [k for k in a if not k.endswith(("norm.weight", "e_score_correction_bias"))]
+        assert not any(torch.equal(a[k], c[k]) for k in drawn)
+    run_ranks(_fresh_body, 4, timeout=120)
+
+
+def _fresh_body(rank, world):
+    import dsparallel
+    from dsparallel.models import DeepseekV3, Llama
+
+    whole = {
+        cls: cls(dict(cfg, model_type=cls.model_type), seed=3).hf_state_dict()
+        for cls, cfg in ((Llama, LLAMA), (DeepseekV3, DEEPSEEK))
+    }
+    for tp, pp, ep in ((2, 2, 1), (4, 1, 1), (1, 1, 4)):
+        state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
+        for cls, full in whole.items():
+            if ep > 1 and cls is Llama:
+                continue
+            cfg = LLAMA if cls is Llama else DEEPSEEK
+            split = cls(dict(cfg, model_type=cls.model_type), state, seed=3).hf_state_dict()
+            assert split.keys() == full.keys()
+            assert all(torch.equal(split[k], full[k]) for k in full)
+        dsparallel.destroy_parallel()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_layout_body(rank, world):
+    import dsparallel
+    from dsparallel.models import DeepseekV3, Llama
+
+    errors = []
+    state = dsparallel.init_parallel(4, 1)
+    for cfg, what in (
+        (dict(LLAMA, num_attention_heads=6, num_key_value_heads=3), "num_attention_heads=6"),
+        (
+            dict(LLAMA, num_attention_heads=8, num_key_value_heads=8, head_dim=16, vocab_size=98),
+            "vocab_size=98",
+        ),
+    ):
+        try:
+            Llama(dict(cfg, model_type="llama"), state)
+        except ValueError as e:
+            assert what in str(e), str(e)
+            errors.append(str(e))
+    dsparallel.destroy_parallel()
+    state = dsparallel.init_parallel(2, 1)
+    try:
+        Llama(dict(LLAMA, num_attention_heads=6, num_key_value_heads=3, model_type="llama"), state)
+    except ValueError as e:
+        assert "num_key_value_heads=3" in str(e), str(e)
+        errors.append(str(e))
+    dsparallel.destroy_parallel()
+    state = dsparallel.init_parallel(1, 1, expert_parallel_size=4)
+    try:
+        DeepseekV3(dict(DEEPSEEK, n_routed_experts=6, n_group=1, model_type="deepseek_v3"), state)
+    except ValueError as e:
+        assert "n_routed_experts=6" in str(e) and "expert-parallel size 4" in str(e), str(e)
+        errors.append(str(e))
+    dsparallel.destroy_parallel()
+    return errors
+
+
+def test_a_layout_that_cannot_split_the_model_is_refused_on_every_rank():
+    for errors in run_ranks(_bad_layout_body, 4, timeout=120):
+        assert len(errors) == 4, errors
+
+
+def test_bad_checkpoints_are_refused(reference, tmp_path):
+    import shutil
+
+    from dsparallel.models import from_pretrained
+
+    ref, _ = reference
+    other = tmp_path / "gpt2"
+    shutil.copytree(ref["dirs"]["llama"], other)
+    cfg = json.load(open(other / "config.json"))
+    json.dump(dict(cfg, model_type="gpt2"), open(other / "config.json", "w"))
+    with pytest.raises(ValueError, match="'gpt2' model"):
+        from_pretrained(str(other))
+    # A sharded checkpoint whose index names a file that is not there.
+    sharded = tmp_path / "sharded"
+    shutil.copytree(ref["dirs"]["llama"], sharded)
+    keys = sorted(_tensors(str(sharded)))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "model.safetensors")}
+    index["weight_map"][keys[-1]] = "model-00002-of-00002.safetensors"
+    json.dump(index, open(sharded / "model.safetensors.index.json", "w"))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        from_pretrained(str(sharded))
+    # A checkpoint of the same family but other sizes than its config says.
+    wrong = tmp_path / "wrong"
+    shutil.copytree(ref["dirs"]["llama"], wrong)
+    json.dump(dict(cfg, intermediate_size=128), open(wrong / "config.json", "w"))
+    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(96, 64\)"):
+        from_pretrained(str(wrong))
