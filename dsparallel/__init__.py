@@ -15,6 +15,7 @@ from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .ops import fused_all_reduce
 from .parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
+from .training_checkpoint import load_checkpoint, save_checkpoint
 from .zero import ZeroRedundancyOptimizer
 
 backend.register()
@@ -30,7 +31,9 @@ __all__ = [
     "fused_all_reduce",
     "get_parallel_state",
     "init_parallel",
+    "load_checkpoint",
     "moe",
+    "save_checkpoint",
     "tensor_parallel",
     "ZeroRedundancyOptimizer",
 ]

@@ -547,6 +547,53 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     buf[a:b] = v.reshape(-1).to(p.device)
         return whole
 
+    def param_states(self) -> dict[torch.Tensor, dict]:
+        """Each parameter's whole optimizer state, keyed by the parameter:
+        per-element state shaped like it, scalars (the step) as they are.
+        Every rank of a buffer's group gets its parameters' states (one
+        all-gather per buffer): for checkpoints that any layout can load
+        (``dsparallel.save_checkpoint``)."""
+        out: dict[torch.Tensor, dict] = {}
+        for buffer in self._buffers:
+            mine = []
+            for piece in buffer.pieces:
+                local = self._inner.state.get(piece.param)
+                if local:
+                    entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in local.items()}
+                    mine.append((piece.k, piece.range, entry))
+            every = [None] * dist.get_world_size(buffer.group)
+            dist.all_gather_object(every, mine, group=buffer.group)
+            for shard in every:
+                for k, (a, b), entry in shard:
+                    p = buffer.params[k]
+                    slot = out.setdefault(p, {})
+                    for name, v in entry.items():
+                        if _per_element(v):
+                            flat = slot.setdefault(name, torch.zeros(p.numel(), dtype=v.dtype))
+                            flat[a:b] = v.reshape(-1)
+                        else:
+                            slot[name] = v
+        return {
+            p: {k: v.view(p.shape) if _per_element(v) else v for k, v in entry.items()}
+            for p, entry in out.items()
+        }
+
+    def load_param_states(self, states: dict[torch.Tensor, dict]) -> None:
+        """The inverse of ``param_states``: each of this rank's slices takes
+        its part of its parameter's whole state."""
+        for piece in self._pieces:
+            entry = states.get(piece.source)
+            if not entry:
+                continue
+            a, b = piece.range
+            self._inner.state[piece.param] = {
+                k: v.reshape(-1)[a:b].to(piece.param.dtype).clone()
+                if _per_element(v)
+                else (v.clone() if torch.is_tensor(v) else v)
+                for k, v in entry.items()
+            }
+        self._consolidated = None
+
     def load_state_dict(self, state_dict) -> None:
         """Loads a plain ``torch.optim`` state dict (a consolidated one, or one
         saved from ``optimizer_class`` itself), or the list of every rank's

@@ -22,7 +22,9 @@ using torch::autograd::variable_list;
 constexpr const char* kOp = "vocab_parallel_cross_entropy";
 
 // Returns (per-token loss in the logits' dtype, softmax in float32 with the
-// ignored rows zeroed, this rank's local target index or -1).
+// ignored rows zeroed, this rank's local target index or -1). Half-precision
+// logits are computed in float32; float64 logits stay float64, so that a
+// float64 run matches its one-process self to rounding.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forwardKernel(
     const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
     c10::string_view group_name) {
@@ -49,7 +51,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forwardKernel(
     vocab += s[r];
   }
 
-  at::Tensor x = logits.to(at::kFloat);
+  at::Tensor x =
+      logits.to(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   at::Tensor max = std::get<0>(x.max(-1));
   max = allReduce(g, max, c10d::ReduceOp::MAX);
   at::Tensor shifted = x - max.unsqueeze(-1);
@@ -105,11 +108,12 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& softmax = saved[0];
     const at::Tensor& local = saved[1];
-    const at::Tensor g = grads[0].to(at::kFloat).unsqueeze(-1);
+    const at::Tensor g = grads[0].to(softmax.scalar_type()).unsqueeze(-1);
     // softmax - onehot(local), with rows whose target lives elsewhere (or is
     // ignored) getting no -1.
     at::Tensor onehot = at::zeros_like(softmax).scatter_(
-        -1, local.clamp_min(0).unsqueeze(-1), (local >= 0).unsqueeze(-1).to(at::kFloat));
+        -1, local.clamp_min(0).unsqueeze(-1),
+        (local >= 0).unsqueeze(-1).to(softmax.scalar_type()));
     at::Tensor grad = (softmax - onehot) * g;
     return {grad.to(ctx->saved_data["dtype"].toScalarType()), at::Tensor(), at::Tensor(),
             at::Tensor()};

@@ -47,6 +47,10 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None
 
 
+# A pytree node, so that DistributedDataParallel finds the loss in it.
+torch.utils._pytree.register_dataclass(CausalLMOutput)
+
+
 class CausalLM(nn.Module):
     """Subclasses set ``model_type``, ``architecture``, ``defaults`` (the
     config fields ``transformers`` fills in) and build ``make_layer(i)``,
@@ -216,16 +220,18 @@ class CausalLM(nn.Module):
 
     # --------------------------------------------------------------- pipeline
 
-    def pipeline_stage(self):
+    def pipeline_stage(self, wrap=None):
         """This rank's stage for a pipeline schedule (one stage per rank):
         its input is the token ids (first stage) or the previous stage's
         hidden states, its output the hidden states or, on the last stage,
         the vocabulary-parallel logits for ``loss_fn``. Causal attention
-        without padding, positions 0..seq-1."""
+        without padding, positions 0..seq-1. ``wrap`` wraps the stage's
+        module (``wrap=DistributedDataParallel`` for data parallelism)."""
         from ..pipeline import PipelineStage
 
         lay = self.layout
-        return PipelineStage(_Stage(self), lay.pp_rank, lay.pp_size, group=lay.pp_group)
+        module = _Stage(self) if wrap is None else wrap(_Stage(self))
+        return PipelineStage(module, lay.pp_rank, lay.pp_size, group=lay.pp_group)
 
     def allreduce_tied_grads(self) -> None:
         """With tied embeddings under pipeline parallelism the last stage

@@ -10,6 +10,10 @@ from .group import resolve_group
 from .mappings import _ops
 
 
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 @torch.library.register_fake("dsparallel::vocab_parallel_cross_entropy")
 def _loss_fake(logits, target, ignore_index, group_name):
     return logits.new_empty(logits.shape[:-1])
@@ -19,7 +23,7 @@ def _loss_fake(logits, target, ignore_index, group_name):
 def _forward_fake(logits, target, ignore_index, group_name):
     return (
         logits.new_empty(logits.shape[:-1]),
-        logits.new_empty(logits.shape, dtype=torch.float32),
+        logits.new_empty(logits.shape, dtype=_compute_dtype(logits)),
         target.new_empty(target.shape, dtype=torch.int64),
     )
 
@@ -39,8 +43,8 @@ def vocab_parallel_cross_entropy(
     ``VocabParallelEmbedding``'s split makes them; unequal slices work);
     ``target`` is (...) with global class indices, the same on every rank.
     ``reduction`` is ``"mean"`` (over tokens not equal to ``ignore_index``),
-    ``"sum"`` or ``"none"``. Computed in float32; numerically stable (max
-    subtracted before the exponential).
+    ``"sum"`` or ``"none"``. Computed in float32 (float64 for float64
+    logits); numerically stable (max subtracted before the exponential).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(

@@ -1,0 +1,168 @@
+"""Training checkpoints that any layout loads: ``save_checkpoint(path, model,
+optimizer)`` at one tensor x pipeline x data (x expert) parallel layout and
+ZeRO stage, ``load_checkpoint(path, model, optimizer)`` at any other.
+
+The checkpoint is ``torch.distributed.checkpoint`` state keyed by the
+Hugging Face tensor names and their global offsets, never by rank: each
+rank offers the blocks of checkpoint tensors its parameters are made of
+(the model's ``checkpoint_map``, the one mapping ``from_pretrained`` and
+``save_pretrained`` read), a block split over tensor parallelism as a
+DTensor sharded on the tensor-parallel mesh dimension, a whole one as a
+plain tensor (replicas are written once: DCP keeps one of each). Loading
+asks for the blocks of the new layout, and DCP reads what overlaps them.
+
+The optimizer's per-element state (Adam's moments) has its parameter's
+shape, so it is cut by the same map, under ``optim.<name>.<state>``;
+``optim.step`` is the step count. A ``ZeroRedundancyOptimizer`` first
+gathers each parameter's state from the slices of its data-parallel
+group (so a rank holds its parameters' whole state while saving or
+loading, not only its slice: the price of a layout-free format, paid at
+checkpoint time only). Hyperparameters (learning rate, schedules) are the
+caller's: they come from the optimizer built for the new run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .models.hf_map import Piece, materialize, split
+from .zero import ZeroRedundancyOptimizer
+
+
+def _unwrap(model):
+    inner = getattr(model, "module", model)
+    if not hasattr(inner, "checkpoint_map"):
+        raise TypeError(
+            f"save_checkpoint/load_checkpoint take a dsparallel.models model (Llama, "
+            f"DeepseekV3), optionally wrapped in DistributedDataParallel; got "
+            f"{type(inner).__name__}"
+        )
+    return inner
+
+
+def _wrap(model, piece: Piece, block: torch.Tensor):
+    """The block as DCP should see it: a DTensor when it is this rank's
+    share of a tensor split over tensor parallelism."""
+    from torch.distributed.tensor import DTensor, Shard  # 0.5 s: only when used
+
+    lay = model.layout
+    if piece.dim is None or lay.tp_size == 1:
+        return block
+    if piece.length * lay.tp_size != piece.shape[piece.dim] or (
+        piece.start != lay.tp_rank * piece.length
+    ):
+        raise AssertionError(f"{piece.key}: a block that is not an even tensor-parallel share")
+    stride = torch.empty(piece.shape, device="meta").stride()
+    return DTensor.from_local(
+        block.contiguous(),
+        lay.mesh["tp"],
+        [Shard(piece.dim)],
+        run_check=False,
+        shape=torch.Size(piece.shape),
+        stride=stride,
+    )
+
+
+def _param_states(model, optimizer) -> dict[torch.Tensor, dict]:
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.param_states()
+    return {p: dict(s) for p, s in optimizer.state.items()}
+
+
+def _entries(model):
+    """(name, node, parameter or buffer) of everything the checkpoint holds."""
+    return [(name, node, model._tensor(name)) for name, node in model.checkpoint_map().items()]
+
+
+def _state_dtype(t: torch.Tensor) -> torch.dtype:
+    """The optimizer state's dtype: the parameter's, fp32 for half precision
+    (ZeRO's fp32 master slices)."""
+    return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+@torch.no_grad()
+def save_checkpoint(path: str, model, optimizer=None) -> None:
+    """Every rank calls it. ``model``: a ``dsparallel.models`` model (or our
+    DDP around one); ``optimizer``: a ``torch.optim`` optimizer or a
+    ``ZeroRedundancyOptimizer`` over its parameters, or None."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _unwrap(model)
+    states = _param_states(model, optimizer)
+    sd: dict[str, object] = {}
+    step = 0.0
+    for name, node, t in _entries(model):
+        if name in model._copies:
+            continue
+        for piece, block in split(node, t.detach()):
+            sd[f"model.{piece.key}"] = _wrap(model, piece, block.clone())
+        for kind, v in states.get(t, {}).items():
+            if torch.is_tensor(v) and v.dim() >= 1:
+                for piece, block in split(node, v):
+                    sd[f"optim.{piece.key}.{kind}"] = _wrap(model, piece, block.clone())
+            elif kind == "step":
+                step = max(step, float(v))
+    if optimizer is not None:
+        sd["optim.step"] = torch.tensor(step, dtype=torch.float64)
+    dcp.save(sd, checkpoint_id=path)
+
+
+@torch.no_grad()
+def load_checkpoint(path: str, model, optimizer=None) -> None:
+    """Every rank calls it, with the model (and optimizer) of the new
+    layout already built: fills the parameters, buffers and the
+    optimizer's state from a ``save_checkpoint`` of any layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    model = _unwrap(model)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    kinds = sorted(
+        {k.rsplit(".", 1)[1] for k in saved if k.startswith("optim.") and k != "optim.step"}
+    )
+    if optimizer is not None and "optim.step" not in saved:
+        raise ValueError(f"load_checkpoint: {path} holds no optimizer state (saved without one)")
+    wanted: dict[str, object] = {}
+    local: dict[str, torch.Tensor] = {}
+
+    def ask(name: str, piece: Piece, dtype: torch.dtype):
+        if name not in saved:
+            raise KeyError(f"load_checkpoint: {path} lacks {name} (a checkpoint of another model?)")
+        block = torch.empty(piece.block_shape, dtype=dtype)
+        local[name] = block
+        wanted[name] = _wrap(model, piece, block)
+
+    entries = _entries(model)
+    for _, node, t in entries:
+        for piece, _ in split(node, t):
+            ask(f"model.{piece.key}", piece, t.dtype)
+            if optimizer is not None and t.requires_grad:
+                for kind in kinds:
+                    ask(f"optim.{piece.key}.{kind}", piece, _state_dtype(t))
+    if optimizer is not None:
+        wanted["optim.step"] = torch.zeros((), dtype=torch.float64)
+    dcp.load(wanted, checkpoint_id=path)
+    for name, value in wanted.items():
+        if isinstance(value, DTensor):
+            local[name].copy_(value.to_local())
+    states = {}
+    for _, node, t in entries:
+        t.copy_(materialize(node, lambda p: local[f"model.{p.key}"]))
+        if optimizer is not None and t.requires_grad:
+            entry = {
+                k: materialize(node, lambda p, k=k: local[f"optim.{p.key}.{k}"]) for k in kinds
+            }
+            entry["step"] = torch.tensor(float(wanted["optim.step"]), dtype=torch.float32)
+            states[t] = entry
+    if optimizer is None:
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.load_param_states(states)
+    else:
+        for p, entry in states.items():
+            optimizer.state[p] = entry
+    if dist.is_initialized():
+        dist.barrier()
