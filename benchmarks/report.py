@@ -393,6 +393,50 @@ def _hybrid(r):
     return lines
 
 
+def _models(r):
+    cfg = r["config"]
+    lines = [
+        "Llama and DeepSeek-V3 of about 100M parameters (configs in the results file),",
+        f"trained with AdamW on 4 processes, global batch {cfg['batch']} x {cfg['seq']} tokens:",
+        "training tokens/s and the largest rank's peak RSS. Ratios are against the best",
+        "baseline of the same model: the `transformers` model under torch's DDP over gloo.",
+        "",
+    ]
+    for kind in ("llama", "deepseek"):
+        rows = [x for x in r["rows"] if x["model"] == kind]
+        base = max(
+            (x for x in rows if x["system"] == "baseline"),
+            key=lambda x: x["tokens_per_s"]["median"],
+        )
+        body = [
+            [
+                x["system"],
+                x["layout"],
+                t(x["tokens_per_s"]),
+                ratio(x["tokens_per_s"], base["tokens_per_s"]),
+                f"{x['peak_rss_mb']:.0f}",
+            ]
+            for x in rows
+        ]
+        lines += [f"**{kind}**", ""]
+        lines += table(["system", "layout", "tokens/s", "/ best baseline", "peak RSS MiB"], body)
+    load = cfg.get("load_memory_tp4")
+    if load:
+        lines += [
+            "`from_pretrained` of the Llama checkpoint at tp 4, per rank: the RSS rise while",
+            "loading against the rank's shard and the largest checkpoint tensor (MiB):",
+            "",
+        ]
+        lines += table(
+            ["rank", "RSS rise", "shard", "largest tensor"],
+            [
+                [str(i), f"{rise:.0f}", f"{shard:.0f}", f"{load['largest_tensor_mb']:.0f}"]
+                for i, (rise, shard) in enumerate(zip(load["rss_rise_mb"], load["shard_mb"]))
+            ],
+        )
+    return lines
+
+
 def _call_cpu(r):
     lines = [
         "An 8-byte all-reduce, per call and rank: wall and CPU microseconds.",
@@ -467,6 +511,7 @@ SECTIONS = [
     ("tensor_parallel", "Tensor parallel", "tensor_parallel.py", _tensor_parallel),
     ("moe", "Expert parallel", "moe.py", _moe),
     ("hybrid", "Hybrid layouts of the GPT job", "hybrid.py", _hybrid),
+    ("models", "Llama and DeepSeek-V3", "models.py", _models),
     ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
     ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
     ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),

@@ -19,6 +19,7 @@ the pipeline schedules through ``model.pipeline_stage()`` and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +69,14 @@ class CausalLM(nn.Module):
         seed: int = 0,
         dtype: torch.dtype | None = None,
         checkpoint: bool = False,
+        sequence_parallel: bool = False,
         _initialize: bool = True,
     ):
         super().__init__()
         cfg = read_config(config, self.model_type, self.defaults)
         self.config = cfg
-        self.layout = lay = Layout.of(state)
+        lay = Layout.of(state)
+        self.layout = lay = dataclasses.replace(lay, sp=sequence_parallel and lay.tp_size > 1)
         self.checkpoint = checkpoint
         self.check(cfg)
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
@@ -92,10 +95,10 @@ class CausalLM(nn.Module):
         self._copies: set[str] = set()
         self._tied_group = None
         if self.is_last:
-            self.norm = RMSNorm(hidden, cfg.rms_norm_eps, "model.norm.weight")
+            self.norm = RMSNorm(hidden, cfg.rms_norm_eps, "model.norm.weight", lay)
             if not (self.tied and self.is_first):
                 self.lm_head = tp.ColumnParallelLinear(
-                    hidden, vocab, bias=False, group=g, device="meta"
+                    hidden, vocab, bias=False, group=g, sequence_parallel=lay.sp, device="meta"
                 )
                 key = embed_key if self.tied else "lm_head.weight"
                 self.lm_head.hf_specs = {"weight": rows(key, (vocab, hidden), r, n)}
@@ -154,14 +157,27 @@ class CausalLM(nn.Module):
                 )
         if return_logits is None:
             return_logits = labels is None
+        if self.layout.sp and s % self.layout.tp_size:
+            raise ValueError(
+                f"sequence parallelism splits the sequence over {self.layout.tp_size} ranks: "
+                f"its length {s} must be a multiple of that"
+            )
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
         mask = attention_mask_for(attention_mask, s)
         if self.layout.pp_size == 1:
-            h = self.run_layers(self.embed_tokens(input_ids), position_ids, mask)
+            h = self.run_layers(self.embed(input_ids), position_ids, mask)
             return self._output(h, labels, return_logits)
         with torch.no_grad():
             return self._pipelined(input_ids, labels, position_ids, mask, return_logits)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] ids -> [seq (/tp), batch, hidden], this rank's part
+        of the sequence under sequence parallelism."""
+        h = self.embed_tokens(input_ids).transpose(0, 1).contiguous()
+        if self.layout.sp:
+            h = tp.scatter_to_sequence_parallel_region(h, self.layout.tp_group)
+        return h
 
     def run_layers(self, h, position_ids, mask) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
@@ -173,16 +189,18 @@ class CausalLM(nn.Module):
         return h
 
     def vocab_parallel_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits of the last stage."""
+        """This rank's vocabulary slice of the logits [seq, batch, vocab / tp]
+        of the last stage."""
         h = self.norm(h)
         if self.tied and self.is_first:
-            return F.linear(self.layout.copy_to(h), self.embed_tokens.weight)
+            return F.linear(self.layout.enter(h), self.embed_tokens.weight)
         return self.lm_head(h)
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token cross entropy of vocabulary-parallel logits: position
-        t predicts labels[t + 1], -100 ignored, mean over the rest."""
-        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        """Next-token cross entropy of vocabulary-parallel logits [seq, batch,
+        vocab / tp] against labels [batch, seq]: position t predicts
+        labels[t + 1], -100 ignored, mean over the rest."""
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t()
         return tp.vocab_parallel_cross_entropy(
             logits, shifted, group=self.layout.tp_group, ignore_index=IGNORE_INDEX
         )
@@ -194,20 +212,22 @@ class CausalLM(nn.Module):
             out.loss = self.loss_fn(local, labels)
         if return_logits:
             lay = self.layout
-            out.logits = (
+            logits = (
                 local
                 if lay.tp_size == 1
                 else tp.gather_from_tensor_parallel_region(local, lay.tp_group)
             )
+            out.logits = logits.transpose(0, 1)
         return out
 
     def _pipelined(self, input_ids, labels, position_ids, mask, return_logits):
         lay = self.layout
         b, s = input_ids.shape
         if self.is_first:
-            h = self.embed_tokens(input_ids)
+            h = self.embed(input_ids)
         else:
-            h = torch.empty(b, s, self.config.hidden_size, dtype=self._dtype())
+            local = s // lay.tp_size if lay.sp else s
+            h = torch.empty(local, b, self.config.hidden_size, dtype=self._dtype())
             dist.recv(h, group=lay.pp_group, group_src=lay.pp_rank - 1)
         h = self.run_layers(h, position_ids, mask)
         if not self.is_last:
@@ -336,8 +356,9 @@ class _Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.model
-        h = m.embed_tokens(x) if m.is_first else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        h = m.embed(x) if m.is_first else x
+        seq = h.shape[0] * (m.layout.tp_size if m.layout.sp else 1)
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
         h = m.run_layers(h, positions, None)
         return m.vocab_parallel_logits(h) if m.is_last else h
 

@@ -25,7 +25,8 @@ bias), renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``.
 Routed experts (SwiGLU) are split over the expert-parallel group and
 reached through the C++ dispatch/combine ops; the shared experts are one
 SwiGLU split over tensor parallelism. Experts are not split by tensor
-parallelism: every rank of a tensor-parallel group routes the same tokens.
+parallelism: every rank of a tensor-parallel group routes the same tokens
+(under sequence parallelism, its own part of them).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class MLA(nn.Module):
         specs = {}
         if self.q_lora:
             self.q_a = param(self.q_lora, h)
-            self.q_a_layernorm = RMSNorm(self.q_lora, eps, f"{pre}.q_a_layernorm.weight")
+            self.q_a_layernorm = RMSNorm(self.q_lora, eps, f"{pre}.q_a_layernorm.weight", layout)
             self.q_b = param(local * qk, self.q_lora)
             specs["q_a"] = whole(f"{pre}.q_a_proj.weight", (self.q_lora, h))
             specs["q_b"] = rows(f"{pre}.q_b_proj.weight", (heads * qk, self.q_lora), r, n)
@@ -76,14 +77,19 @@ class MLA(nn.Module):
             self.q = param(local * qk, h)
             specs["q"] = rows(f"{pre}.q_proj.weight", (heads * qk, h), r, n)
         self.kv_a = param(self.kv_lora + self.rope_dim, h)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps, f"{pre}.kv_a_layernorm.weight")
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps, f"{pre}.kv_a_layernorm.weight", layout)
         self.kv_b = param(local * (self.nope + self.v_dim), self.kv_lora)
         specs["kv_a"] = whole(f"{pre}.kv_a_proj_with_mqa.weight", (self.kv_lora + self.rope_dim, h))
         specs["kv_b"] = rows(
             f"{pre}.kv_b_proj.weight", (heads * (self.nope + self.v_dim), self.kv_lora), r, n
         )
         self.o_proj = tp.RowParallelLinear(
-            heads * self.v_dim, h, bias=False, group=layout.tp_group, device="meta"
+            heads * self.v_dim,
+            h,
+            bias=False,
+            group=layout.tp_group,
+            sequence_parallel=layout.sp,
+            device="meta",
         )
         self.o_proj.hf_specs = {
             "weight": cols(f"{pre}.o_proj.weight", (h, heads * self.v_dim), r, n)
@@ -91,27 +97,42 @@ class MLA(nn.Module):
         self.hf_specs = specs
 
     def forward(self, x, cos, sin, mask):
-        b, s, _ = x.shape
+        """x [seq (/tp under sequence parallelism), batch, hidden]."""
         lay = self.layout
+        # The down projections and their norms are replicated. Without
+        # sequence parallelism every rank computes them on the same tokens
+        # and their outputs enter the head-split part through the copy map
+        # (its backward sums the heads' partial gradients). With it, every
+        # rank computes them on the gathered sequence, the gather's backward
+        # sums the input gradients, and their weights' gradients are summed
+        # instead (``shared``).
+        if lay.sp:
+            x = lay.enter(x)
+
+        def into_heads(a):
+            return a if lay.sp else lay.copy_to(a)
+
         if self.q_lora:
-            q = F.linear(lay.copy_to(self.q_a_layernorm(F.linear(x, self.q_a))), self.q_b)
+            c = self.q_a_layernorm(F.linear(x, lay.shared(self.q_a)))
+            q = F.linear(into_heads(c), self.q_b)
         else:
-            q = F.linear(lay.copy_to(x), self.q)
-        q = q.view(b, s, -1, self.nope + self.rope_dim).transpose(1, 2)
+            q = F.linear(into_heads(x), self.q)
+        s, b = x.shape[:2]
+        q = q.view(s, b, -1, self.nope + self.rope_dim).permute(1, 2, 0, 3)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_pe = F.linear(x, self.kv_a).split([self.kv_lora, self.rope_dim], dim=-1)
-        latent = lay.copy_to(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
+        latent, k_pe = F.linear(x, lay.shared(self.kv_a)).split([self.kv_lora, self.rope_dim], -1)
+        latent = into_heads(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
         latent, k_pe = latent.split([self.kv_lora, self.rope_dim], dim=-1)
-        kv = F.linear(latent, self.kv_b).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        kv = F.linear(latent, self.kv_b).view(s, b, -1, self.nope + self.v_dim).permute(1, 2, 0, 3)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_pe = self.rotary.apply(q_pe, cos, sin)
-        k_pe = self.rotary.apply(k_pe.unsqueeze(1), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
+        k_pe = self.rotary.apply(k_pe.transpose(0, 1).unsqueeze(1), cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class Router(nn.Module):
@@ -119,8 +140,9 @@ class Router(nn.Module):
     the weight and the correction bias stay float32 whatever the model's
     dtype, as in ``transformers``."""
 
-    def __init__(self, cfg, prefix: str):
+    def __init__(self, cfg, prefix: str, layout: Layout):
         super().__init__()
+        self.layout = layout
         self.experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.groups, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
         self.norm_topk_prob = cfg.get("norm_topk_prob", True)
@@ -137,7 +159,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [tokens, hidden] -> (expert indices [tokens, top_k], weights float32)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = F.linear(x.float(), self.layout.shared(self.weight).float()).sigmoid()
         with torch.no_grad():
             choice = scores + self.e_score_correction_bias
             per_group = choice.view(-1, self.groups, self.experts // self.groups)
@@ -159,8 +181,10 @@ class Experts(nn.Module):
     then up rows) and down [local, hidden, ffn]; on disk each expert is
     three tensors, ``experts.{j}.{gate,up,down}_proj.weight``."""
 
-    def __init__(self, cfg, prefix: str, first: int, count: int, ep_group):
+    def __init__(self, cfg, prefix: str, first: int, count: int, layout: Layout):
         super().__init__()
+        self.layout = layout
+        ep_group = layout.ep_group
         h, ffn = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up = nn.Parameter(torch.empty(count, 2 * ffn, h, device="meta"))
         self.down = nn.Parameter(torch.empty(count, h, ffn, device="meta"))
@@ -185,10 +209,13 @@ class Experts(nn.Module):
     def forward(self, rows_: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
         """``rows_`` in blocks of ``chunks`` [(local expert, rows), ...]."""
         parts = rows_.split([c for _, c in chunks])
+        # Under sequence parallelism the tensor-parallel ranks route
+        # different tokens through the same experts: their gradients add.
+        gate_up, down = self.layout.shared(self.gate_up), self.layout.shared(self.down)
         out = []
         for (e, _), part in zip(chunks, parts):
-            gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
-            out.append(F.linear(F.silu(gate) * up, self.down[e]))
+            gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, down[e]))
         return torch.cat(out) if out else rows_
 
 
@@ -202,8 +229,8 @@ class DeepseekMoE(nn.Module):
         local = experts // layout.ep_size
         self.ep_group = layout.ep_group
         self.num_experts, self.top_k = experts, cfg.num_experts_per_tok
-        self.gate = Router(cfg, pre)
-        self.experts = Experts(cfg, pre, layout.ep_rank * local, local, layout.ep_group)
+        self.gate = Router(cfg, pre, layout)
+        self.experts = Experts(cfg, pre, layout.ep_rank * local, local, layout)
         self.shared_experts = SwiGLU(
             cfg.hidden_size,
             cfg.moe_intermediate_size * cfg.get("n_shared_experts", 1),
@@ -239,9 +266,11 @@ class DeepseekV3DecoderLayer(nn.Module):
         super().__init__()
         pre = f"model.layers.{index}"
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, f"{pre}.input_layernorm.weight")
+        self.input_layernorm = RMSNorm(h, eps, f"{pre}.input_layernorm.weight", layout)
         self.self_attn = MLA(cfg, index, layout, rotary)
-        self.post_attention_layernorm = RMSNorm(h, eps, f"{pre}.post_attention_layernorm.weight")
+        self.post_attention_layernorm = RMSNorm(
+            h, eps, f"{pre}.post_attention_layernorm.weight", layout
+        )
         if index >= cfg.get("first_k_dense_replace", 0):
             self.mlp = DeepseekMoE(cfg, index, layout)
         else:

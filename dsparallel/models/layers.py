@@ -2,6 +2,10 @@
 RMSNorm, rotary embeddings, the attention mask, and the SwiGLU MLP split
 over tensor parallelism.
 
+Hidden states are [seq, batch, hidden] between layers (Megatron's layout),
+so that sequence parallelism splits dim 0; attention works on [batch,
+heads, seq, dim].
+
 Every module here keeps ``hf_specs``: for each of its parameters, where it
 lies in a Hugging Face checkpoint (``hf_map``); the model walks them to
 load, initialise and save.
@@ -48,6 +52,9 @@ class Layout:
     ep_size: int = 1
     ep_rank: int = 0
     mesh: object = None
+    # Sequence parallelism (Megatron's): outside the tensor-parallel regions
+    # each rank holds 1/tp of the sequence; only with tp > 1.
+    sp: bool = False
 
     @classmethod
     def of(cls, state) -> Layout:
@@ -69,8 +76,21 @@ class Layout:
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp_size == 1 else tp.copy_to_tensor_parallel_region(x, self.tp_group)
 
-    def reduce_from(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp_size == 1 else tp.reduce_from_tensor_parallel_region(x, self.tp_group)
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of a region split over tensor parallelism: all of the
+        sequence (gathered under sequence parallelism, whose backward
+        reduce-scatters), else the replicated input (whose gradient the
+        copy map all-reduces)."""
+        if self.tp_size == 1:
+            return x
+        if self.sp:
+            return tp.gather_from_sequence_parallel_region(x, self.tp_group)
+        return tp.copy_to_tensor_parallel_region(x, self.tp_group)
+
+    def shared(self, w: torch.Tensor) -> torch.Tensor:
+        """A weight every rank holds whole: under sequence parallelism each
+        rank applies it to its own tokens, so its gradient is all-reduced."""
+        return self.copy_to(w) if self.sp else w
 
 
 def check_split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> None:
@@ -82,9 +102,9 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back before the
     weight, as ``transformers``' LlamaRMSNorm."""
 
-    def __init__(self, size: int, eps: float, key: str):
+    def __init__(self, size: int, eps: float, key: str, layout: Layout):
         super().__init__()
-        self.eps = eps
+        self.eps, self.layout = eps, layout
         self.weight = nn.Parameter(torch.empty(size, device="meta"))
         self.hf_specs = {"weight": whole(key, (size,))}
 
@@ -92,7 +112,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.layout.shared(self.weight) * x.to(dtype)
 
 
 class Rotary:
@@ -134,13 +154,6 @@ def attention_mask_for(attention_mask: torch.Tensor | None, seq: int) -> torch.T
     return allowed | ~allowed.any(-1, keepdim=True)
 
 
-def attend(q, k, v, mask, scale: float) -> torch.Tensor:
-    """[batch, heads, seq, dim] attention, causal when ``mask`` is None."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
-    )
-
-
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one
     column-parallel weight (this rank's gate rows, then its up rows) and
@@ -150,8 +163,13 @@ class SwiGLU(nn.Module):
         super().__init__()
         check_split(f"{prefix}: intermediate_size", ffn, layout.tp_size)
         g, r, n = layout.tp_group, layout.tp_rank, layout.tp_size
-        self.gate_up = tp.ColumnParallelLinear(hidden, 2 * ffn, bias=False, group=g, device="meta")
-        self.down = tp.RowParallelLinear(ffn, hidden, bias=False, group=g, device="meta")
+        sp = layout.sp
+        self.gate_up = tp.ColumnParallelLinear(
+            hidden, 2 * ffn, bias=False, group=g, sequence_parallel=sp, device="meta"
+        )
+        self.down = tp.RowParallelLinear(
+            ffn, hidden, bias=False, group=g, sequence_parallel=sp, device="meta"
+        )
         self.hf_specs = {
             "gate_up.weight": Cat(
                 (

@@ -70,7 +70,12 @@ class LlamaAttention(nn.Module):
                 )
             )
         self.o_proj = tp.RowParallelLinear(
-            heads * d, h, bias=False, group=layout.tp_group, device="meta"
+            heads * d,
+            h,
+            bias=False,
+            group=layout.tp_group,
+            sequence_parallel=layout.sp,
+            device="meta",
         )
         self.o_proj.hf_specs = {"weight": cols(f"{pre}.o_proj.weight", (h, heads * d), r, n)}
         self.hf_specs = {
@@ -79,21 +84,22 @@ class LlamaAttention(nn.Module):
         }
 
     def forward(self, x, cos, sin, mask):
-        b, s, _ = x.shape
+        """x [seq (/tp under sequence parallelism), batch, hidden]."""
         d, lay = self.head_dim, self.layout
-        x = lay.copy_to(x)
-        q = F.linear(x, self.q_weight).view(b, s, -1, d).transpose(1, 2)
+        x = lay.enter(x)
+        s, b = x.shape[:2]
+        q = F.linear(x, self.q_weight).view(s, b, -1, d).permute(1, 2, 0, 3)
         w = self.kv_weight
         if self.replicated:
             # The whole weight's gradient is all-reduced: each rank's is
             # non-zero only on the head it uses.
             w = lay.copy_to(w).view(2, self.kv_heads, d, -1)[:, self.kv_head].reshape(2 * d, -1)
-        k, v = F.linear(x, w).view(b, s, 2, -1, d).permute(2, 0, 3, 1, 4).unbind(0)
+        k, v = F.linear(x, w).view(s, b, 2, -1, d).permute(2, 1, 3, 0, 4).unbind(0)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1]
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,10 +107,12 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         pre = f"model.layers.{index}"
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, f"{pre}.input_layernorm.weight")
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, eps, f"{pre}.input_layernorm.weight", layout
+        )
         self.self_attn = LlamaAttention(cfg, index, layout, rotary)
         self.post_attention_layernorm = RMSNorm(
-            cfg.hidden_size, eps, f"{pre}.post_attention_layernorm.weight"
+            cfg.hidden_size, eps, f"{pre}.post_attention_layernorm.weight", layout
         )
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, f"{pre}.mlp", layout)
 

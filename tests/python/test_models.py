@@ -145,7 +145,7 @@ def _per_expert(grads: dict) -> dict:
     return out
 
 
-def _layout_body(rank, world, tp, pp, ep, ref_path, out_dir):
+def _layout_body(rank, world, tp, pp, ep, sp, ref_path, out_dir):
     import torch.distributed as dist
 
     import dsparallel
@@ -159,7 +159,7 @@ def _layout_body(rank, world, tp, pp, ep, ref_path, out_dir):
     for kind, path in ref["dirs"].items():
         if ep > 1 and kind != "deepseek":
             continue
-        model = from_pretrained(path, state)
+        model = from_pretrained(path, state, sequence_parallel=sp)
         # Logits of the padded batch, compared where the mask keeps a token.
         out = model(ids, attention_mask=mask)
         if model.is_last:
@@ -167,7 +167,7 @@ def _layout_body(rank, world, tp, pp, ep, ref_path, out_dir):
             err = (out.logits - ref["logits"][kind])[keep].abs().max().item()
             assert err < LOGITS_TOL, f"{kind}: logits differ by {err}"
             report[f"{kind}_logits_err"] = err
-        saved = os.path.join(out_dir, f"{kind}-tp{tp}-pp{pp}-ep{ep}")
+        saved = os.path.join(out_dir, kind)
         model.save_pretrained(saved)
         # One training step on the unpadded batch; with expert parallelism
         # each data-parallel rank takes its rows, as a data loader would.
@@ -213,28 +213,33 @@ def _layout_body(rank, world, tp, pp, ep, ref_path, out_dir):
 
 
 LAYOUTS = [
-    # (tp, pp, ep): world = tp * pp * max(ep, 1) (ep carved from dp)
-    (1, 1, 1),
-    (2, 1, 1),
-    (4, 1, 1),
-    (1, 2, 1),
-    (2, 2, 1),
-    (1, 1, 2),
-    (2, 1, 2),
-    (1, 1, 4),
+    # (tp, pp, ep, sequence parallel): world = tp * pp * ep (ep carved from dp)
+    (1, 1, 1, False),
+    (2, 1, 1, False),
+    (4, 1, 1, False),
+    (1, 2, 1, False),
+    (2, 2, 1, False),
+    (1, 1, 2, False),
+    (2, 1, 2, False),
+    (1, 1, 4, False),
+    (2, 1, 1, True),
+    (4, 1, 1, True),
+    (2, 2, 1, True),
+    (2, 1, 2, True),
 ]
 
 
-@pytest.mark.parametrize("tp,pp,ep", LAYOUTS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in LAYOUTS])
-def test_hf_models_match_transformers_at_every_layout(reference, tmp_path, tp, pp, ep):
+@pytest.mark.parametrize(
+    "tp,pp,ep,sp", LAYOUTS, ids=[f"tp{t}-pp{p}-ep{e}{'-sp' * s}" for t, p, e, s in LAYOUTS]
+)
+def test_hf_models_match_transformers_at_every_layout(reference, tmp_path, tp, pp, ep, sp):
     ref, ref_path = reference
     world = tp * pp * ep
-    run_ranks(_layout_body, world, tp, pp, ep, ref_path, str(tmp_path), timeout=240)
+    run_ranks(_layout_body, world, tp, pp, ep, sp, ref_path, str(tmp_path), timeout=240)
     for kind, path in ref["dirs"].items():
         if ep > 1 and kind != "deepseek":
             continue
-        saved = str(tmp_path / f"{kind}-tp{tp}-pp{pp}-ep{ep}")
-        original, ours = _tensors(path), _tensors(saved)
+        original, ours = _tensors(path), _tensors(str(tmp_path / kind))
         assert original.keys() == ours.keys(), sorted(original.keys() ^ ours.keys())[:5]
         for key, t in original.items():
             assert t.dtype == ours[key].dtype and torch.equal(t, ours[key]), key
@@ -399,22 +404,31 @@ def _batches():
     return list((starts + 3 * torch.arange(SEQ)) % 96)
 
 
-def _trainer(path, tp, pp, ep, zero):
+def _trainer(path, tp, pp, ep, zero, recompute=False):
     """(model, step function) at one layout, fp64 (so that layouts differ
-    by rounding only), AdamW, ZeRO ``zero`` (0: none, 1, 2)."""
+    by rounding only), AdamW, ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's
+    FSDP2 over the data-parallel ranks, per decoder layer and the root)."""
     import dsparallel
     from dsparallel.models import from_pretrained
     from dsparallel.pipeline import Schedule1F1B
 
     state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
-    model = from_pretrained(path, state, dtype=torch.float64)
+    model = from_pretrained(path, state, dtype=torch.float64, checkpoint=recompute)
+    if zero == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=state.mesh["dp"])
+        fully_shard(model, mesh=state.mesh["dp"])
+        zero = 0
 
     def wrap(m):
         return dsparallel.DistributedDataParallel(
             m, process_group=state.dp_group, zero_stage=2 if zero == 2 else 0
         )
 
-    runner = model if state.dp_size == 1 and zero < 2 else None
+    fsdp = hasattr(model, "unshard")
+    runner = model if fsdp or (state.dp_size == 1 and zero < 2) else None
     schedule = None
     if pp > 1:
         stage = model.pipeline_stage(wrap=None if runner is model else wrap)
@@ -480,6 +494,24 @@ RESUMES = [
 ]
 
 
+def _variants_body(rank, world, llama, deepseek):
+    """Llama under FSDP2 at dp 2, DeepSeek-V3 at tp 2 with every layer
+    recomputed in backward: the losses of the run."""
+    import dsparallel
+
+    out = {}
+    for kind, path, setup in (
+        ("llama", llama, dict(tp=1, zero="fsdp")),
+        ("deepseek", deepseek, dict(tp=2, zero=0, recompute=True)),
+    ):
+        _, _, step = _trainer(
+            path, setup["tp"], 1, 1, setup["zero"], recompute=setup.get("recompute", False)
+        )
+        out[kind] = [step(b) for b in _batches()]
+        dsparallel.destroy_parallel()
+    return out
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(reference):
     ref, _ = reference
@@ -502,3 +534,13 @@ def test_resume_in_another_layout_equals_the_uninterrupted_run(
     for i, (got, want) in enumerate(zip(losses, expected)):
         assert abs(got - want) < 1e-6, f"step {i}: {got} vs uninterrupted {want}"
     assert losses[-1] < 0.9 * losses[0]  # it trains
+
+
+def test_fsdp2_and_recomputation_train_as_one_process(reference, uninterrupted):
+    ref, _ = reference
+    got = run_ranks(_variants_body, 2, ref["dirs"]["llama"], ref["dirs"]["deepseek"], timeout=240)[
+        0
+    ]
+    for kind, losses in got.items():
+        for i, (a, b) in enumerate(zip(losses, uninterrupted[kind])):
+            assert abs(a - b) < 1e-6, f"{kind} step {i}: {a} vs one process {b}"
