@@ -186,9 +186,9 @@ def _load_memory(rank, world, path):
     model = from_pretrained(path, state, dtype=torch.float32)
     rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 - before
     shard = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
-    dsparallel.destroy_parallel()
     every = [None] * world
     torch.distributed.all_gather_object(every, (rise, shard))
+    dsparallel.destroy_parallel()
     return every
 
 

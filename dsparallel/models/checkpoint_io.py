@@ -62,8 +62,11 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
     model = classes[kind](config, state, dtype=dtype, _initialize=False, **kwargs)
     reader = _Reader(path, weight_map)
-    used = model.load_hf(reader.read)
-    _check_all_used(model, weight_map, used, path)
+    try:
+        used, error = model.load_hf(reader.read), None
+    except (KeyError, ValueError, OSError) as e:
+        used, error = set(), e
+    _agree(model, weight_map, used, error, path)
     return model
 
 
@@ -108,15 +111,24 @@ class _Reader:
         return sl[piece.start : end] if piece.dim == 0 else sl[:, piece.start : end]
 
 
-def _check_all_used(model, weight_map, used, path) -> None:
-    """Every checkpoint tensor is read by some rank, except the layers past
+def _agree(model, weight_map, used, error, path) -> None:
+    """Every rank learns whether any rank failed to read its part (a
+    tensor only another stage reads can be the bad one), and whether every
+    checkpoint tensor was read by some rank, except the layers past
     ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer, as
-    ``transformers`` drops it)."""
-    everyone = [used]
+    ``transformers`` drops it); each raises the same error."""
+    mine = (used, None if error is None else f"{type(error).__name__}: {error}")
+    everyone = [mine]
     if model.layout.mesh is not None:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, used)
-    read = set().union(*everyone)
+        dist.all_gather_object(everyone, mine)
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise RuntimeError(f"from_pretrained failed on rank {rank}: {msg}")
+    read = set().union(*(u for u, _ in everyone))
     layers = model.config.num_hidden_layers
     extra = sorted(
         k
