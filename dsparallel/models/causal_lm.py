@@ -235,6 +235,26 @@ class CausalLM(nn.Module):
             return CausalLMOutput()
         return self._output(h, labels, return_logits)
 
+    @torch.no_grad()
+    def cached_step(self, x, position_ids, attention_mask, cache, start: int) -> torch.Tensor:
+        """One forward of this stage over queries at positions start.. with
+        the KV cache (``dsparallel.inference``): ``x`` the token ids [batch,
+        q] (first stage) or the previous stage's hidden states; ``attention_mask``
+        [batch, >= start + q] over every position so far; ``cache`` this
+        stage's per-layer caches. Returns the hidden states, or on the last
+        stage the full-vocabulary logits of the last position [batch, vocab]."""
+        h = self.embed(x) if self.is_first else x
+        mask = attention_mask_for(attention_mask, h.shape[0], start)
+        cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
+        for index, layer in self.layers.items():
+            h = layer(h, cos, sin, mask, (cache[index], start))
+        if not self.is_last:
+            return h
+        logits = self.vocab_parallel_logits(h[-1:])
+        if self.layout.tp_size > 1:
+            logits = tp.gather_from_tensor_parallel_region(logits, self.layout.tp_group)
+        return logits[0]
+
     def _dtype(self) -> torch.dtype:
         return next(p.dtype for n, p in self.named_parameters() if "norm" in n)
 

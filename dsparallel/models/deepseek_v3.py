@@ -96,8 +96,19 @@ class MLA(nn.Module):
         }
         self.hf_specs = specs
 
-    def forward(self, x, cos, sin, mask):
-        """x [seq (/tp under sequence parallelism), batch, hidden]."""
+    def new_cache(self, batch: int, length: int, dtype) -> dict:
+        """The compressed cache: the normalised latent and the rotated shared
+        rope key of ``length`` positions (every rank holds all of it: one
+        latent serves every head)."""
+        return {
+            "latent": torch.empty(batch, length, self.kv_lora, dtype=dtype),
+            "k_pe": torch.empty(batch, length, self.rope_dim, dtype=dtype),
+        }
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        """x [seq (/tp under sequence parallelism), batch, hidden]; with
+        ``cache`` (this layer's ``new_cache``, the position its queries
+        start at) attention runs on the cached latent (``_absorbed``)."""
         lay = self.layout
         # The down projections and their norms are replicated. Without
         # sequence parallelism every rank computes them on the same tokens
@@ -123,16 +134,45 @@ class MLA(nn.Module):
         latent, k_pe = F.linear(x, lay.shared(self.kv_a)).split([self.kv_lora, self.rope_dim], -1)
         latent = into_heads(torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1))
         latent, k_pe = latent.split([self.kv_lora, self.rope_dim], dim=-1)
-        kv = F.linear(latent, self.kv_b).view(s, b, -1, self.nope + self.v_dim).permute(1, 2, 0, 3)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_pe = self.rotary.apply(q_pe, cos, sin)
         k_pe = self.rotary.apply(k_pe.transpose(0, 1).unsqueeze(1), cos, sin)
+        if cache is not None:
+            out = self._absorbed(q_nope, q_pe, latent.transpose(0, 1), k_pe[:, 0], mask, cache)
+            return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+        kv = F.linear(latent, self.kv_b).view(s, b, -1, self.nope + self.v_dim).permute(1, 2, 0, 3)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
         )
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, cache):
+        """Attention over the cached latent without expanding it to keys and
+        values (DeepSeek-V2's absorption, as vLLM decodes): kv_b's key part
+        W_UK is folded into the queries and its value part W_UV applied
+        after, so a step reads (kv_lora_rank + rope) values per cached
+        position instead of heads x (k + v).
+
+            q.k  = (q_nope W_UK) . latent + q_pe . k_pe
+            out  = (softmax(q.k * scale) latent) W_UV
+        """
+        slot, start = cache
+        n = latent.shape[1]
+        slot["latent"][:, start : start + n] = latent
+        slot["k_pe"][:, start : start + n] = k_pe
+        latent, k_pe = slot["latent"][:, : start + n], slot["k_pe"][:, : start + n]
+        w = self.kv_b.view(-1, self.nope + self.v_dim, self.kv_lora)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.einsum("bhqn,hnc->bhqc", q_nope, w_uk)
+        scores = torch.einsum("bhqc,bkc->bhqk", q_latent, latent)
+        scores = (scores + torch.einsum("bhqr,bkr->bhqk", q_pe, k_pe)) * self.scale
+        if mask is None:
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=scores.device).tril(start)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        out = torch.einsum("bhqk,bkc->bhqc", probs.to(latent.dtype), latent)
+        return torch.einsum("bhqc,hvc->bhqv", out, w_uv)
 
 
 class Router(nn.Module):
@@ -276,8 +316,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(h, cfg.intermediate_size, f"{pre}.mlp", layout)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -141,16 +141,21 @@ class Rotary:
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention_mask_for(attention_mask: torch.Tensor | None, seq: int) -> torch.Tensor | None:
-    """The boolean [batch, 1, seq, seq] mask (True attends) of causal
-    attention over the keys ``attention_mask`` [batch, seq] keeps; None for
-    plain causal attention. A query with no key to attend to (a left pad)
-    attends to all: its output is never used, and a row of -inf would turn
-    it into NaN that the next layer's keys carry."""
+def attention_mask_for(
+    attention_mask: torch.Tensor | None, seq: int, start: int = 0
+) -> torch.Tensor | None:
+    """The boolean [batch, 1, seq, start + seq] mask (True attends) of
+    causal attention of ``seq`` queries at positions start.. over the keys
+    ``attention_mask`` [batch, >= start + seq] keeps; None for plain causal
+    attention. A query with no key to attend to (a left pad) attends to
+    all: its output is never used, and a row of -inf would turn it into NaN
+    that the next layer's keys carry."""
     if attention_mask is None:
         return None
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal & attention_mask.bool()[:, None, None, :]
+    keys = start + seq
+    causal = torch.ones(seq, keys, dtype=torch.bool, device=attention_mask.device)
+    causal = causal.tril(diagonal=start)
+    allowed = causal & attention_mask[:, :keys].bool()[:, None, None, :]
     return allowed | ~allowed.any(-1, keepdim=True)
 
 

@@ -83,8 +83,16 @@ class LlamaAttention(nn.Module):
             "kv_weight": kv_spec,
         }
 
-    def forward(self, x, cos, sin, mask):
-        """x [seq (/tp under sequence parallelism), batch, hidden]."""
+    def new_cache(self, batch: int, length: int, dtype) -> dict:
+        """This rank's keys and values of ``length`` positions: its heads."""
+        heads = 1 if self.replicated else self.kv_heads // self.layout.tp_size
+        shape = (batch, heads, length, self.head_dim)
+        return {"k": torch.empty(shape, dtype=dtype), "v": torch.empty(shape, dtype=dtype)}
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        """x [seq (/tp under sequence parallelism), batch, hidden]; ``cache``
+        (this layer's ``new_cache``, the position its queries start at):
+        their keys and values are written there and all earlier ones read."""
         d, lay = self.head_dim, self.layout
         x = lay.enter(x)
         s, b = x.shape[:2]
@@ -96,6 +104,11 @@ class LlamaAttention(nn.Module):
             w = lay.copy_to(w).view(2, self.kv_heads, d, -1)[:, self.kv_head].reshape(2 * d, -1)
         k, v = F.linear(x, w).view(s, b, 2, -1, d).permute(2, 1, 3, 0, 4).unbind(0)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if cache is not None:
+            slot, start = cache
+            slot["k"][:, :, start : start + s] = k
+            slot["v"][:, :, start : start + s] = v
+            k, v = slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1]
         )
@@ -116,8 +129,8 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, f"{pre}.mlp", layout)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
