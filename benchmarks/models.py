@@ -17,8 +17,11 @@ for DeepSeek-V3 also ``transformers``' grouped-matmul experts
 (``experts_implementation="grouped_mm"``) beside its default loop.
 
 A second part measures ``from_pretrained``'s memory: a fresh process per
-rank loads the Llama checkpoint at tp 4; the rise of its RSS while
-loading against its shard's bytes plus the largest tensor's.
+rank loads the Llama checkpoint at tp 4; the peak rise of its private
+(anonymous) resident memory while loading, sampled every millisecond,
+against its shard's bytes plus the largest tensor's. The checkpoint's
+pages that the memory-mapped reads bring in are reported apart: they are
+the page cache, shared by the ranks and reclaimable.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -172,9 +176,20 @@ def _transformers(rank, world, kind, path, ddp_options, experts, args):
     return result
 
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 def _load_memory(rank, world, path):
-    """RSS rise while this rank loads its tp-4 shard, and what it keeps."""
-    import resource
+    """While this rank loads its tp-4 shard: the peak rise of its private
+    (anonymous) resident memory, sampled every millisecond, and of the
+    checkpoint's pages mapped in (file-backed: the page cache, shared and
+    reclaimable), against the shard it keeps."""
+    import threading
 
     import torch
 
@@ -182,12 +197,25 @@ def _load_memory(rank, world, path):
     from dsparallel.models import from_pretrained
 
     state = dsparallel.init_parallel(4, 1)
-    before = _rss_mb()
+    base = {k: _status_kb(k) for k in ("RssAnon", "RssFile")}
+    peak = dict(base)
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for k in peak:
+                peak[k] = max(peak[k], _status_kb(k))
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     model = from_pretrained(path, state, dtype=torch.float32)
-    rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 - before
+    done.set()
+    sampler.join()
     shard = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    mine = ((peak["RssAnon"] - base["RssAnon"]) / 1024, (peak["RssFile"] - base["RssFile"]) / 1024)
     every = [None] * world
-    torch.distributed.all_gather_object(every, (rise, shard))
+    torch.distributed.all_gather_object(every, (*mine, shard))
     dsparallel.destroy_parallel()
     return every
 
@@ -254,8 +282,9 @@ def main():
         loads = run_ranks(_load_memory, 4, paths["llama"])
     largest = (LLAMA["vocab_size"] * LLAMA["hidden_size"]) * 4 / 2**20
     load = {
-        "rss_rise_mb": [r for r, _ in loads],
-        "shard_mb": [s for _, s in loads],
+        "anon_rise_mb": [a for a, _, _ in loads],
+        "file_pages_mb": [f for _, f, _ in loads],
+        "shard_mb": [s for _, _, s in loads],
         "largest_tensor_mb": largest,
     }
     save("models", rows, {**vars(a), "load_memory_tp4": load, "llama": LLAMA, "deepseek": DEEPSEEK})
@@ -274,13 +303,10 @@ def main():
                 f"[{t['min']:.0f}-{t['max']:.0f}] {t['median'] / base:5.2f}x "
                 f"{r['peak_rss_mb']:7.0f}"
             )
-    print(
-        "\nfrom_pretrained at tp 4, per rank: RSS rise "
-        + " ".join(f"{v:.0f}" for v in load["rss_rise_mb"])
-        + " MiB; shard "
-        + " ".join(f"{v:.0f}" for v in load["shard_mb"])
-        + f" MiB; largest tensor {largest:.0f} MiB"
-    )
+    print("\nfrom_pretrained at tp 4, per rank (MiB): private memory rise, checkpoint pages, shard")
+    for row in zip(load["anon_rise_mb"], load["file_pages_mb"], load["shard_mb"]):
+        print("  " + " ".join(f"{v:6.0f}" for v in row))
+    print(f"largest tensor {largest:.0f} MiB")
 
 
 if __name__ == "__main__":

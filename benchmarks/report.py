@@ -423,17 +423,64 @@ def _models(r):
     load = cfg.get("load_memory_tp4")
     if load:
         lines += [
-            "`from_pretrained` of the Llama checkpoint at tp 4, per rank: the RSS rise while",
-            "loading against the rank's shard and the largest checkpoint tensor (MiB):",
+            "`from_pretrained` of the Llama checkpoint at tp 4, per rank: the peak rise of",
+            "private (anonymous) memory while loading, sampled every millisecond, against",
+            "the shard the rank keeps and the largest checkpoint tensor; apart, the",
+            "checkpoint's pages the memory-mapped reads brought in (page cache: shared,",
+            "reclaimable) (MiB):",
             "",
         ]
         lines += table(
-            ["rank", "RSS rise", "shard", "largest tensor"],
+            ["rank", "private rise", "shard", "largest tensor", "checkpoint pages"],
             [
-                [str(i), f"{rise:.0f}", f"{shard:.0f}", f"{load['largest_tensor_mb']:.0f}"]
-                for i, (rise, shard) in enumerate(zip(load["rss_rise_mb"], load["shard_mb"]))
+                [str(i), f"{a:.0f}", f"{s:.0f}", f"{load['largest_tensor_mb']:.0f}", f"{f:.0f}"]
+                for i, (a, f, s) in enumerate(
+                    zip(load["anon_rise_mb"], load["file_pages_mb"], load["shard_mb"])
+                )
             ],
         )
+    return lines
+
+
+def _inference(r):
+    cfg = r["config"]
+    rows = [x for x in r["rows"] if "error" not in x]
+    ours = rows[0]
+    lines = [
+        f"Greedy decoding of a Llama of about 300M parameters, {cfg['prompt']}-token prompts,",
+        f"{cfg['new']} new tokens: decode latency per token (slowest rank) and decode tokens/s.",
+        "Ratios are our tp 2 latency over each system's (below 1.0x ours is faster).",
+        "",
+    ]
+    body = []
+    for x in rows:
+        cells = [x["system"]]
+        for b in (1, 8):
+            lat = x[f"batch{b}"]["latency_s"]
+            cells += [t(lat, 1e3), ratio(ours[f"batch{b}"]["latency_s"], lat)]
+        cells.append(num(x["batch8"]["tokens_per_s"]["median"]))
+        body.append(cells)
+    lines += table(
+        [
+            "system",
+            "batch 1 ms/token",
+            "ours tp 2 / this",
+            "batch 8 ms/token",
+            "ours tp 2 / this",
+            "batch 8 tokens/s",
+        ],
+        body,
+    )
+    for x in r["rows"]:
+        if "error" in x:
+            lines += [f"{x['system']}: did not run ({x['error']}).", ""]
+    share = ours.get("collective_share", {}).get("decode_share")
+    if share is not None:
+        lines += [
+            f"Our tp 2 batch-1 decode spends {share:.0%} of its time in the tensor-parallel",
+            "collectives (torch profiler, CPU time of the ops over the wall time).",
+            "",
+        ]
     return lines
 
 
@@ -512,6 +559,7 @@ SECTIONS = [
     ("moe", "Expert parallel", "moe.py", _moe),
     ("hybrid", "Hybrid layouts of the GPT job", "hybrid.py", _hybrid),
     ("models", "Llama and DeepSeek-V3", "models.py", _models),
+    ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
     ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
     ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),

@@ -417,3 +417,158 @@ def test_bad_checkpoints_are_refused_on_every_rank(reference, tmp_path):
         assert "gate_proj.weight has shape (96, 64)" in errors[2], errors[2]
     assert last[3].startswith("ValueError: from_pretrained: model.norm.weight has shape (65,)")
     assert first[3].startswith("RuntimeError: from_pretrained failed on rank 1: ValueError")
+
+
+# ------------------------------------------------- resume in another layout
+
+STEPS = 5  # before and after the checkpoint
+
+
+def _batches():
+    """The global batches of the run, the same in every layout: rows
+    counting up in steps of 3 from random starts (learnable)."""
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, 96, (2 * STEPS, 8, 1), generator=g)
+    return list((starts + 3 * torch.arange(SEQ)) % 96)
+
+
+def _trainer(path, tp, pp, ep, zero, recompute=False):
+    """(model, step function) at one layout, fp64 (so that layouts differ
+    by rounding only), AdamW, ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's
+    FSDP2 over the data-parallel ranks, per decoder layer and the root)."""
+    import dsparallel
+    from dsparallel.models import from_pretrained
+    from dsparallel.pipeline import Schedule1F1B
+
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
+    model = from_pretrained(path, state, dtype=torch.float64, checkpoint=recompute)
+    if zero == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=state.mesh["dp"])
+        fully_shard(model, mesh=state.mesh["dp"])
+        zero = 0
+
+    def wrap(m):
+        return dsparallel.DistributedDataParallel(
+            m, process_group=state.dp_group, zero_stage=2 if zero == 2 else 0
+        )
+
+    fsdp = hasattr(model, "unshard")
+    runner = model if fsdp or (state.dp_size == 1 and zero < 2) else None
+    schedule = None
+    if pp > 1:
+        stage = model.pipeline_stage(wrap=None if runner is model else wrap)
+        schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=model.loss_fn)
+    elif runner is None:
+        runner = wrap(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if zero:
+        opt = dsparallel.ZeroRedundancyOptimizer(
+            params, torch.optim.AdamW, process_group=state.dp_group, lr=1e-2
+        )
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-2)
+
+    def step(batch):
+        rows = batch.chunk(state.dp_size)[state.dp_rank]
+        losses = []
+        if schedule is None:
+            loss = runner(rows, labels=rows).loss
+            loss.backward()
+            losses.append(loss.detach())
+        elif model.is_first:
+            schedule.step(rows, target=rows if model.is_last else None)
+        else:
+            schedule.step(target=rows, losses=losses)
+        model.allreduce_tied_grads()
+        opt.step()
+        opt.zero_grad()
+        mine = torch.stack(losses).mean().item() if losses else None
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, mine)
+        return sum(v for v in every if v is not None) / sum(v is not None for v in every)
+
+    return model, opt, step
+
+
+def _resume_body(rank, world, path, before, after, ckpt):
+    import dsparallel
+
+    batches, losses = _batches(), []
+    if before is None:  # the uninterrupted run
+        model, opt, step = _trainer(path, 1, 1, 1, 0)
+        losses = [step(b) for b in batches]
+        dsparallel.destroy_parallel()
+        return losses
+    model, opt, step = _trainer(path, *before)
+    losses = [step(b) for b in batches[:STEPS]]
+    dsparallel.save_checkpoint(ckpt, model, opt)
+    dsparallel.destroy_parallel()
+    model, opt, step = _trainer(path, *after)
+    dsparallel.load_checkpoint(ckpt, model, opt)
+    losses += [step(b) for b in batches[STEPS:]]
+    dsparallel.destroy_parallel()
+    return losses
+
+
+RESUMES = [
+    # (model, (tp, pp, ep, zero) saved, (tp, pp, ep, zero) loaded), 4 processes
+    ("llama", (2, 2, 1, 1), (1, 1, 1, 2)),
+    ("llama", (1, 1, 1, 2), (4, 1, 1, 0)),
+    ("llama_tied", (1, 2, 1, 1), (2, 1, 1, 2)),
+    ("deepseek", (2, 1, 2, 1), (1, 2, 1, 0)),
+]
+
+
+def _variants_body(rank, world, llama, deepseek):
+    """Llama under FSDP2 at dp 2, DeepSeek-V3 at tp 2 with every layer
+    recomputed in backward: the losses of the run."""
+    import dsparallel
+
+    out = {}
+    for kind, path, setup in (
+        ("llama", llama, dict(tp=1, zero="fsdp")),
+        ("deepseek", deepseek, dict(tp=2, zero=0, recompute=True)),
+    ):
+        _, _, step = _trainer(
+            path, setup["tp"], 1, 1, setup["zero"], recompute=setup.get("recompute", False)
+        )
+        out[kind] = [step(b) for b in _batches()]
+        dsparallel.destroy_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference):
+    ref, _ = reference
+    return {
+        kind: run_ranks(_resume_body, 1, ref["dirs"][kind], None, None, None, timeout=120)[0]
+        for kind in sorted({k for k, _, _ in RESUMES})
+    }
+
+
+@pytest.mark.parametrize(
+    "kind,before,after", RESUMES, ids=[f"{k}-{b}-to-{a}".replace(" ", "") for k, b, a in RESUMES]
+)
+def test_resume_in_another_layout_equals_the_uninterrupted_run(
+    reference, uninterrupted, tmp_path, kind, before, after
+):
+    ref, _ = reference
+    ckpt = str(tmp_path / "ckpt")
+    losses = run_ranks(_resume_body, 4, ref["dirs"][kind], before, after, ckpt, timeout=240)[0]
+    expected = uninterrupted[kind]
+    for i, (got, want) in enumerate(zip(losses, expected)):
+        assert abs(got - want) < 1e-6, f"step {i}: {got} vs uninterrupted {want}"
+    assert losses[-1] < 0.9 * losses[0]  # it trains
+
+
+def test_fsdp2_and_recomputation_train_as_one_process(reference, uninterrupted):
+    ref, _ = reference
+    got = run_ranks(_variants_body, 2, ref["dirs"]["llama"], ref["dirs"]["deepseek"], timeout=240)[
+        0
+    ]
+    for kind, losses in got.items():
+        for i, (a, b) in enumerate(zip(losses, uninterrupted[kind])):
+            assert abs(a - b) < 1e-6, f"{kind} step {i}: {a} vs one process {b}"

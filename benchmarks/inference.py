@@ -1,0 +1,276 @@
+"""Decoding a Llama of about 300M parameters on the CPU: ours at tp 2 and
+tp 1 against ``transformers``' ``generate``, DeepSpeed's ``init_inference``
+tensor parallel and torch's ``parallelize_module`` over gloo and "dsp", in
+one run, the same weights everywhere.
+
+    python benchmarks/inference.py [--new 16] [--prompt 128]
+
+Greedy decoding of random prompts of ``--prompt`` tokens at batch 1 and 8.
+A sample is one ``generate`` of ``--new`` tokens minus one of a single token
+(the prefill), divided by ``--new`` - 1: the decode latency per token
+(slowest rank), and batch / latency the decode tokens/s. Two processes of
+one thread each for every tensor-parallel run, one process of two threads
+for the one-process runs: the same two cores. The share of our tp 2 decode
+spent in the tensor-parallel collectives (the all-reduces after the
+attention and MLP, the logits' all-gather) is measured with torch's
+profiler over one batch-1 generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import save, stats  # noqa: E402
+from launch import run_ranks  # noqa: E402
+
+LLAMA = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=1024,
+)
+BATCHES = (1, 8)
+TP_PLAN = {
+    "self_attn.q_proj": "col",
+    "self_attn.k_proj": "col",
+    "self_attn.v_proj": "col",
+    "self_attn.o_proj": "row",
+    "mlp.gate_proj": "col",
+    "mlp.up_proj": "col",
+    "mlp.down_proj": "row",
+}
+
+
+def _prompts(batch, args):
+    import torch
+
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(3, LLAMA["vocab_size"], (batch, args["prompt"]), generator=g)
+
+
+def _measure(run, args, distributed: bool) -> dict:
+    """Per batch size: decode latency per token (s) and decode tokens/s."""
+    import torch
+
+    def wall(fn):
+        if distributed:
+            torch.distributed.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0])
+        if distributed:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.item()
+
+    out = {}
+    for batch in BATCHES:
+        ids = _prompts(batch, args)
+        run(ids, 2)  # warm-up
+        per_token = []
+        for _ in range(args["repeats"]):
+            prefill = wall(lambda ids=ids: run(ids, 1))
+            full = wall(lambda ids=ids: run(ids, args["new"]))
+            per_token.append(max(full - prefill, 1e-9) / (args["new"] - 1))
+        out[f"batch{batch}"] = {
+            "latency_s": stats(per_token),
+            "tokens_per_s": stats(batch / t for t in per_token),
+        }
+    return out
+
+
+def _ours(rank, world, path, args, threads):
+    import torch
+
+    import dsparallel
+    from dsparallel.inference import generate
+    from dsparallel.models import from_pretrained
+
+    torch.set_num_threads(threads)
+    state = dsparallel.init_parallel(world) if world > 1 else None
+    model = from_pretrained(path, state, dtype=torch.float32)
+
+    def run(ids, new):
+        return generate(model, ids, max_new_tokens=new)
+
+    result = _measure(run, args, distributed=world > 1)
+    if world > 1:
+        result["collective_share"] = _collective_share(run, args)
+        dsparallel.destroy_parallel()
+    return result
+
+
+def _collective_share(run, args) -> dict:
+    """The share of a batch-1 decode's time spent in our tensor-parallel
+    collectives (profiler CPU time of their ops over the wall time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = _prompts(1, args)
+    run(ids, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run(ids, 1)
+        prefill = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU]) as prof_full:
+        t0 = time.perf_counter()
+        run(ids, args["new"])
+        full = time.perf_counter() - t0
+
+    def comm(p):
+        names = ("reduce_from_tensor_parallel_region", "gather_from_tensor_parallel_region")
+        return (
+            sum(e.self_cpu_time_total for e in p.key_averages() if any(n in e.key for n in names))
+            / 1e6
+        )
+
+    share = (comm(prof_full) - comm(prof)) / max(full - prefill, 1e-9)
+    t = torch.tensor([share])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return {"decode_share": t.item()}
+
+
+def _hf_model(path, threads):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _hf_run(model):
+    import torch
+
+    def run(ids, new):
+        with torch.no_grad():
+            return model.generate(
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+
+    return run
+
+
+def _transformers(rank, world, path, args):
+    return _measure(_hf_run(_hf_model(path, 2)), args, distributed=False)
+
+
+def _torch_tp(rank, world, path, args, backend):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import dsparallel  # noqa: F401  (registers "dsp")
+
+    dist.init_process_group(backend)
+    model = _hf_model(path, 1)
+    mesh = init_device_mesh("cpu", (world,))
+    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {k: styles[v]() for k, v in TP_PLAN.items()})
+    result = _measure(_hf_run(model), args, distributed=True)
+    dist.destroy_process_group()
+    return result
+
+
+def _deepspeed(rank, world, path, args):
+    import contextlib
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_SIZE"] = str(world)  # without it its shm all-reduce crashes
+    import torch
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = _hf_model(path, 1)
+        engine = deepspeed.init_inference(
+            model,
+            tensor_parallel={"tp_size": world},
+            dtype=torch.float32,
+            replace_with_kernel_inject=False,
+        )
+    result = _measure(_hf_run(engine.module), args, distributed=True)
+    torch.distributed.destroy_process_group()
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    import glob
+
+    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
+        os.remove(f)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    args = {"new": a.new, "prompt": a.prompt, "repeats": a.repeats}
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+        print(f"llama: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+        path = os.path.join(root, "llama")
+        model.save_pretrained(path)
+        del model
+        configs = [
+            ("ours, tp 2 (2 processes)", _ours, 2, (path, args, 1)),
+            ("ours, tp 1 (1 process, 2 threads)", _ours, 1, (path, args, 2)),
+            ("transformers generate (1 process, 2 threads)", _transformers, 1, (path, args)),
+            ("DeepSpeed init_inference, tp 2 (its shm all-reduce)", _deepspeed, 2, (path, args)),
+            ('torch parallelize_module, tp 2 over "dsp"', _torch_tp, 2, (path, args, "dsp")),
+            ("torch parallelize_module, tp 2 over gloo", _torch_tp, 2, (path, args, "gloo")),
+        ]
+        for name, fn, world, fargs in configs:
+            try:
+                r = run_ranks(fn, world, *fargs)
+            except RuntimeError as e:  # a baseline that cannot run here is reported as such
+                print(f"{name}: did not run ({e})")
+                rows.append({"system": name, "error": str(e)})
+                continue
+            rows.append({"system": name, **r})
+            print(
+                name,
+                " ".join(
+                    f"batch {b}: {r[f'batch{b}']['latency_s']['median'] * 1e3:.1f} ms/token"
+                    for b in BATCHES
+                ),
+            )
+    save("inference", rows, {**vars(a), "llama": LLAMA})
+    base = {b: rows[0][f"batch{b}"]["latency_s"]["median"] for b in BATCHES}
+    print("\nlatency per token (ms), ours tp 2 / theirs")
+    for r in rows:
+        if "error" in r:
+            continue
+        cells = [
+            f"{r[f'batch{b}']['latency_s']['median'] * 1e3:7.1f} "
+            f"({base[b] / r[f'batch{b}']['latency_s']['median']:.2f}x)"
+            for b in BATCHES
+        ]
+        print(f"  {r['system']:<55} " + "  ".join(cells))
+    share = rows[0].get("collective_share", {}).get("decode_share")
+    if share is not None:
+        print(f"ours tp 2: {share:.0%} of a batch-1 decode step in the tensor-parallel collectives")
+
+
+if __name__ == "__main__":
+    main()
