@@ -191,6 +191,7 @@ def _deepspeed(rank, world, path, args):
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_SIZE"] = str(world)  # without it its shm all-reduce crashes
+    os.environ["LOCAL_RANK"] = str(rank)  # without it DeepSpeed looks for MPI
     import torch
 
     with contextlib.redirect_stdout(sys.stderr):
