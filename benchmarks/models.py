@@ -79,7 +79,9 @@ OURS = {
     "deepseek": [
         ("dp 4, ep 4", 1, 1, 4, False),
         ("tp 2 x dp 2, ep 2", 2, 1, 2, False),
+        ("tp 2 x dp 2, ep 2, sequence parallel", 2, 1, 2, True),
         ("tp 4", 4, 1, 1, False),
+        ("tp 4, sequence parallel", 4, 1, 1, True),
     ],
 }
 
