@@ -63,7 +63,9 @@ def generate(
     cache = KVCache(model, b, p + max_new_tokens, model._dtype())
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, lay)
     stop = _Stop(eos, pad_token_id, b)
-    job = (model, input_ids, full_mask, positions, cache, sampler, stop, max_new_tokens)
+    # Without padding the layers take no mask: the fused attention kernels.
+    keys = full_mask if not bool(mask.all()) else None
+    job = (model, input_ids, keys, positions, cache, sampler, stop, max_new_tokens)
     new = _run_local(*job) if lay.pp_size == 1 else _run_pipelined(*job)
     return torch.cat([input_ids, new[:, : stop.length(new)]], dim=1)
 
@@ -223,9 +225,8 @@ def _run_pipelined(model, input_ids, full_mask, positions, cache, sampler, stop,
             else:
                 x = torch.empty(q, z - a, hidden, dtype=dtype)
                 dist.recv(x, group=group, group_src=lay.pp_rank - 1)
-            out = model.cached_step(
-                x, positions[a:z, start : start + q], full_mask[a:z], caches[m], start
-            )
+            keys = None if full_mask is None else full_mask[a:z]
+            out = model.cached_step(x, positions[a:z, start : start + q], keys, caches[m], start)
             if not model.is_last:
                 out = out.contiguous()
                 pending.append((dist.isend(out, group=group, group_dst=lay.pp_rank + 1), out))

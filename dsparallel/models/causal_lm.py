@@ -242,9 +242,15 @@ class CausalLM(nn.Module):
         q] (first stage) or the previous stage's hidden states; ``attention_mask``
         [batch, >= start + q] over every position so far; ``cache`` this
         stage's per-layer caches. Returns the hidden states, or on the last
-        stage the full-vocabulary logits of the last position [batch, vocab]."""
+        stage the full-vocabulary logits of the last position [batch, vocab].
+        ``attention_mask=None``: no padding."""
         h = self.embed(x) if self.is_first else x
-        mask = attention_mask_for(attention_mask, h.shape[0], start)
+        q = h.shape[0]
+        if attention_mask is None and q > 1 and start > 0:
+            attention_mask = torch.ones(h.shape[1], start + q, dtype=torch.long)
+        # None: causal from position 0, or one query that sees every key
+        # (the fused attention kernels, instead of a masked one).
+        mask = attention_mask_for(attention_mask, q, start)
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
         for index, layer in self.layers.items():
             h = layer(h, cos, sin, mask, (cache[index], start))

@@ -144,7 +144,7 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
+            q, k, v, attn_mask=mask, is_causal=mask is None and s > 1, scale=self.scale
         )
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 

@@ -110,7 +110,12 @@ class LlamaAttention(nn.Module):
             slot["v"][:, :, start : start + s] = v
             k, v = slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1]
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and s > 1,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 

@@ -33,6 +33,7 @@ def reference(tmp_path_factory):
     mask[2, :5] = 0
     ids = ids.masked_fill(mask == 0, 0)
     ref = {"ids": ids, "mask": mask, "dirs": {}, "greedy": {}, "eos": {}, "stopped": {}}
+    ref["plain"] = {}  # prompts without padding: the layers take no mask
     for i, kind in enumerate(("llama", "deepseek")):
         torch.manual_seed(20 + i)
         model = _hf_model(kind).float().eval()
@@ -45,6 +46,9 @@ def reference(tmp_path_factory):
             # An eos that row 0 produces early: it stops there and pads.
             eos = int(greedy[0, ids.shape[1] + 4])
             stopped = model.generate(ids, **args, eos_token_id=eos)
+            ref["plain"][kind] = model.generate(
+                ids[:, 5:], max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None
+            )
         ref["greedy"][kind], ref["eos"][kind], ref["stopped"][kind] = greedy, eos, stopped
     torch.save(ref, root / "ref.pt")
     return ref, str(root / "ref.pt")
@@ -63,6 +67,7 @@ def _generate_all(model, ref, kind):
         eos_token_id=ref["eos"][kind],
         pad_token_id=0,
     )
+    plain = generate(model, ids[:, 5:], max_new_tokens=NEW)
     sampled = [
         generate(
             model,
@@ -80,6 +85,7 @@ def _generate_all(model, ref, kind):
     return {
         "greedy": greedy.tolist(),
         "stopped": stopped.tolist(),
+        "plain": plain.tolist(),
         "sampled": [s.tolist() for s in sampled],
         "cache_bytes": cache,
     }
@@ -123,6 +129,7 @@ def test_generate_equals_transformers_at_every_layout(reference, one_process, tp
             where = f"{kind}, rank {rank}"
             assert got["greedy"] == ref["greedy"][kind].tolist(), where
             assert got["stopped"] == ref["stopped"][kind].tolist(), where
+            assert got["plain"] == ref["plain"][kind].tolist(), where
             first, second = got["sampled"]
             assert first == second, f"{where}: sampling with one seed differs"
             assert first == ranks[0][kind]["sampled"][0], f"{where}: ranks differ"
