@@ -7,16 +7,13 @@ import torch
 
 
 class KVCache:
-    """This rank's cache for its stage's layers: per layer what its
-    attention's ``new_cache`` makes (Llama: keys and values of this rank's
+    """This rank's cache for its stage's layers: per layer what the model's
+    ``new_cache`` makes (Llama and the GPT: keys and values of this rank's
     heads; DeepSeek-V3: the compressed latent and the shared rope key),
     ``length`` positions for ``batch`` sequences."""
 
     def __init__(self, model, batch: int, length: int, dtype: torch.dtype):
-        self.layers = {
-            index: layer.self_attn.new_cache(batch, length, dtype)
-            for index, layer in model.layers.items()
-        }
+        self.layers = model.new_cache(batch, length, dtype)
 
     def rows(self, start: int, stop: int) -> dict:
         """The caches of sequences [start, stop) (views: a micro-batch's)."""

@@ -31,8 +31,8 @@ from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
 from .gpt import stage_blocks
 from .hf_config import read_config
-from .hf_map import initial_value, materialize, rows, split
-from .layers import Layout, RMSNorm, attention_mask_for, check_split
+from .hf_map import initial_value, materialize, rows, specs_of, split
+from .layers import Layout, RMSNorm, attention_mask_for, cached_mask, check_split, last_logits
 
 IGNORE_INDEX = -100
 
@@ -245,21 +245,19 @@ class CausalLM(nn.Module):
         stage the full-vocabulary logits of the last position [batch, vocab].
         ``attention_mask=None``: no padding."""
         h = self.embed(x) if self.is_first else x
-        q = h.shape[0]
-        if attention_mask is None and q > 1 and start > 0:
-            attention_mask = torch.ones(h.shape[1], start + q, dtype=torch.long)
-        # None: causal from position 0, or one query that sees every key
-        # (the fused attention kernels, instead of a masked one).
-        mask = attention_mask_for(attention_mask, q, start)
+        mask = cached_mask(attention_mask, h.shape[1], h.shape[0], start)
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
         for index, layer in self.layers.items():
             h = layer(h, cos, sin, mask, (cache[index], start))
         if not self.is_last:
             return h
-        logits = self.vocab_parallel_logits(h[-1:])
-        if self.layout.tp_size > 1:
-            logits = tp.gather_from_tensor_parallel_region(logits, self.layout.tp_group)
-        return logits[0]
+        return last_logits(self.vocab_parallel_logits(h[-1:]), self.layout)
+
+    def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> dict:
+        """This stage's KV cache: each layer's ``new_cache``."""
+        return {
+            i: layer.self_attn.new_cache(batch, length, dtype) for i, layer in self.layers.items()
+        }
 
     def _dtype(self) -> torch.dtype:
         return next(p.dtype for n, p in self.named_parameters() if "norm" in n)
@@ -295,11 +293,7 @@ class CausalLM(nn.Module):
 
     def checkpoint_map(self) -> dict:
         """Our parameter and buffer names -> where they lie in a checkpoint."""
-        out = {}
-        for prefix, module in self.named_modules():
-            for name, node in getattr(module, "hf_specs", {}).items():
-                out[f"{prefix}.{name}" if prefix else name] = node
-        return out
+        return specs_of(self)
 
     def _tensor(self, name: str) -> torch.Tensor:
         try:

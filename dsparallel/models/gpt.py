@@ -15,6 +15,11 @@ With ``moe_experts`` > 0 each block's MLP is a mixture of experts
 ``4 * hidden / moe_top_k`` wide so that the routed part has the dense MLP's
 active parameters, plus ``moe_shared_experts`` shared ones, the routed
 experts split over init_parallel's expert-parallel group.
+
+Every dense parameter states, next to the layer that holds it, where it
+lies in the whole one-process model (``hf_specs``, as the Hugging Face
+models do): ``gpt_checkpoint`` saves a trained model from any layout into
+one layout-free file and loads it into any other.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
 from ..moe import MoE
+from .hf_map import Cat, Piece, cols, rows, whole
 
 
 @dataclass(frozen=True)
@@ -137,13 +143,74 @@ def build_stage(
             return make()
 
     layers = []
+    r, n = tp.group.resolve_group(group, "GPT").rank(), _group_size(group)
     if stage == 0:
-        layers.append(seeded(0, lambda: Embedding(cfg, group)))
+        layers.append(_with_specs(seeded(0, lambda: Embedding(cfg, group)), cfg, "embed", r, n))
     for i in stage_blocks(cfg.layers, stage, num_stages):
-        layers.append(seeded(1 + i, lambda: Block(cfg, group, checkpoint)))
+        block = seeded(1 + i, lambda: Block(cfg, group, checkpoint))
+        layers.append(_with_specs(block, cfg, f"blocks.{i}", r, n))
     if stage == num_stages - 1:
-        layers.append(seeded(1 + cfg.layers, lambda: Head(cfg, group)))
+        layers.append(
+            _with_specs(seeded(1 + cfg.layers, lambda: Head(cfg, group)), cfg, "head", r, n)
+        )
     return nn.Sequential(*layers)
+
+
+def _with_specs(layer: nn.Module, cfg: GPTConfig, key: str, r: int, n: int) -> nn.Module:
+    """Marks each dense parameter of ``layer`` with its place in the whole
+    model: ``key.<name>`` split by rows (column-parallel), by columns
+    (row-parallel) or whole. The fused q/k/v rows are this rank's heads of
+    q, then of k, then of v (``ParallelAttention``'s order)."""
+    h, v = cfg.hidden, cfg.vocab_size
+
+    def mark(module, prefix, **specs):
+        module.hf_specs = {name: spec(f"{key}.{prefix}{name}") for name, spec in specs.items()}
+
+    def norm(module, prefix):
+        mark(module, prefix, weight=lambda k: whole(k, (h,)), bias=lambda k: whole(k, (h,)))
+
+    if isinstance(layer, Embedding):
+        mark(layer.tok, "tok.", weight=lambda k: rows(k, (v, h), r, n))
+        mark(layer.pos, "pos.", weight=lambda k: whole(k, (cfg.seq_len, h)))
+    elif isinstance(layer, Head):
+        norm(layer.ln, "ln.")
+        mark(layer.proj, "proj.", weight=lambda k: rows(k, (v, h), r, n))
+    else:
+        norm(layer.ln1, "ln1.")
+        norm(layer.ln2, "ln2.")
+        local = h // n
+
+        def qkv(k, shape):
+            return Cat(tuple(Piece(k, shape, 0, part * h + r * local, local) for part in range(3)))
+
+        attn = layer.attn
+        mark(
+            attn.qkv,
+            "attn.qkv.",
+            weight=lambda k: qkv(k, (3 * h, h)),
+            bias=lambda k: qkv(k, (3 * h,)),
+        )
+        mark(
+            attn.proj,
+            "attn.proj.",
+            weight=lambda k: cols(k, (h, h), r, n),
+            bias=lambda k: whole(k, (h,)),
+        )
+        if isinstance(layer.mlp, tp.ParallelMLP):  # MoE blocks keep none: not saved this way
+            f = layer.mlp.fc1.out_features
+            mark(
+                layer.mlp.fc1,
+                "mlp.fc1.",
+                weight=lambda k: rows(k, (f, h), r, n),
+                bias=lambda k: rows(k, (f,), r, n),
+            )
+            mark(
+                layer.mlp.fc2,
+                "mlp.fc2.",
+                weight=lambda k: cols(k, (h, f), r, n),
+                bias=lambda k: whole(k, (h,)),
+            )
+    return layer
 
 
 def _group_size(group) -> int:

@@ -111,6 +111,15 @@ def split(node: Node, tensor: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
     return [pair for part, block in zip(node.parts, blocks) for pair in split(part, block)]
 
 
+def specs_of(module: torch.nn.Module) -> dict[str, Node]:
+    """Parameter and buffer names under ``module`` -> their ``hf_specs``."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, node in getattr(sub, "hf_specs", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = node
+    return out
+
+
 def initial_value(key: str, shape, seed: int, std: float) -> torch.Tensor:
     """The value a freshly built model gives checkpoint tensor ``key``,
     from a generator seeded by the seed and the name alone: the same model

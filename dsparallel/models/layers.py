@@ -159,6 +159,25 @@ def attention_mask_for(
     return allowed | ~allowed.any(-1, keepdim=True)
 
 
+def cached_mask(attention_mask, batch: int, seq: int, start: int) -> torch.Tensor | None:
+    """``attention_mask_for`` of a step over the KV cache: ``seq`` queries
+    from position ``start``. None (no padding) stays None where causal
+    attention from position 0, or one query that sees every key, needs no
+    mask (the fused attention kernels); several queries after cached ones
+    need the causal offset spelled out."""
+    if attention_mask is None and seq > 1 and start > 0:
+        attention_mask = torch.ones(batch, start + seq, dtype=torch.long)
+    return attention_mask_for(attention_mask, seq, start)
+
+
+def last_logits(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """[batch, vocab] of the vocabulary-parallel logits [1, batch, vocab / tp]
+    of the last position, gathered over tensor parallelism."""
+    if layout.tp_size > 1:
+        local = tp.gather_from_tensor_parallel_region(local, layout.tp_group)
+    return local[0]
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one
     column-parallel weight (this rank's gate rows, then its up rows) and

@@ -29,7 +29,8 @@ def _torchrun(script, *args, nproc=2, check=True):
 
 def _launch(script, *args, nproc=2):
     """The example as torchrun runs it, in forked ranks (dist_utils.run_script);
-    rank 0's output. test_train_gpt_default_layout_runs keeps a real torchrun."""
+    rank 0's output. test_train_gpt_default_layout_runs_and_generates_at_others keeps a real
+    torchrun."""
     return run_script(os.path.join(ROOT, "examples", script), *args, nproc=nproc)
 
 
@@ -86,12 +87,29 @@ def test_activation_checkpointing_example_saves_memory():
     assert "gradients equal: True" in out and "less)" in out
 
 
-def test_train_gpt_default_layout_runs(tmp_path):
-    png = tmp_path / "loss.png"
-    out = _torchrun("train_gpt.py", "--steps", "30", "--hidden", "64", "--plot", str(png), nproc=4)
+def test_train_gpt_default_layout_runs_and_generates_at_others(tmp_path):
+    """Trained at tp 2 x pp 2, saved; generate.py at tp 2 and at pp 2 from
+    the one file prints the same greedy text."""
+    png, ckpt = tmp_path / "loss.png", tmp_path / "ckpt"
+    out = _torchrun(
+        "train_gpt.py",
+        *("--steps", "30", "--hidden", "64", "--plot", str(png), "--save", str(ckpt)),
+        nproc=4,
+    )
     summary = next(line for line in out.splitlines() if line.startswith("summary:"))
     assert "tokens/s" in summary and "peak RSS per rank" in summary
     assert png.stat().st_size > 1000
+    texts = []
+    for tp, pp in ((2, 1), (1, 2)):
+        out = _launch(
+            "generate.py",
+            *("--load", str(ckpt / "model.pt"), "--max-new-tokens", "12"),
+            *("--tensor-parallel", str(tp), "--pipeline-parallel", str(pp)),
+        )
+        assert f"at tp {tp} x pp {pp}: 3 prompts, 12 new tokens each" in out, out
+        texts.append(out.split("\n", 1)[1])
+    assert texts[0] == texts[1]
+    assert "def forward(self, x" in texts[0]
 
 
 def test_moe_example_learns_and_keeps_replicas_equal():

@@ -186,3 +186,117 @@ def test_bad_input_is_refused_on_every_rank(reference):
         assert "more than the model's max_position_embeddings=64" in errors[0]
         assert "max_new_tokens must be an integer >= 0, got -1" in errors[1]
         assert "attention_mask has shape (3, 8), input_ids (2, 8)" in errors[2]
+
+
+# ----------------------------------------------------------------- the GPT
+
+GPT = dict(vocab_size=64, seq_len=40, hidden=32, heads=4, layers=3)
+
+
+def _gpt_prompts():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, GPT["vocab_size"], (3, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :5] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _gpt_generate_all(model, eos=None):
+    from dsparallel.inference import generate
+
+    ids, mask = _gpt_prompts()
+    args = dict(attention_mask=mask, max_new_tokens=NEW, pad_token_id=0)
+    out = {"greedy": generate(model, ids, **args).tolist()}
+    if eos is not None:
+        out["stopped"] = generate(model, ids, **args, eos_token_id=eos).tolist()
+    out["sampled"] = [
+        generate(
+            model, ids, **args, generator=torch.Generator().manual_seed(7), **SAMPLING
+        ).tolist()
+        for _ in range(2)
+    ]
+    return out
+
+
+def _gpt_reference_body(rank, world, path):
+    """One process: the GPT of seed 0 saved, greedy tokens of each prompt
+    alone (no padding) by full forwards without a cache, and generate's."""
+    from dsparallel.models import GPTConfig, GPTForGeneration, build_stage, save_gpt
+
+    cfg = GPTConfig(**GPT)
+    module = build_stage(cfg)
+    save_gpt(path, module, cfg)
+    module.double()
+    ids, mask = _gpt_prompts()
+    plain = []
+    with torch.no_grad():
+        for row, keep in zip(ids, mask.bool()):
+            seq = row[keep][None]
+            for _ in range(NEW):
+                seq = torch.cat([seq, module(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+            plain.append(seq[0, -NEW:].tolist())
+    eos = plain[0][4]  # row 0 stops early
+    out = _gpt_generate_all(GPTForGeneration(module, cfg), eos)
+    return {**out, "plain": plain, "eos": eos}
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gpt") / "gpt.pt")
+    return run_ranks(_gpt_reference_body, 1, path, timeout=120)[0], path
+
+
+def _gpt_layout_body(rank, world, tp, pp, path, eos, resaved):
+    import dsparallel
+    from dsparallel.models import GPTForGeneration, load_gpt, save_gpt
+
+    state = dsparallel.init_parallel(tp, pp)
+    module, cfg = load_gpt(path, state)
+    save_gpt(resaved, module, cfg, state)  # from this layout, back to one file
+    out = _gpt_generate_all(GPTForGeneration(module.double(), cfg, state), eos)
+    dsparallel.destroy_parallel()
+    return out
+
+
+GPT_LAYOUTS = [(2, 1), (4, 1), (1, 2), (2, 2)]
+
+
+def test_the_gpt_generates_its_greedy_tokens_without_a_cache(gpt_reference):
+    ref, _ = gpt_reference
+    greedy = [row[-NEW:] for row in ref["greedy"]]
+    assert greedy == ref["plain"]
+    stopped = ref["stopped"][0][-NEW:]
+    assert stopped[:5] == ref["plain"][0][:5] and set(stopped[5:]) == {0}, stopped
+
+
+@pytest.mark.parametrize("tp,pp", GPT_LAYOUTS, ids=[f"tp{t}-pp{p}" for t, p in GPT_LAYOUTS])
+def test_the_gpt_generates_alike_at_every_layout(gpt_reference, tmp_path, tp, pp):
+    ref, path = gpt_reference
+    resaved = str(tmp_path / "resaved.pt")
+    ranks = run_ranks(_gpt_layout_body, tp * pp, tp, pp, path, ref["eos"], resaved, timeout=180)
+    for rank, got in enumerate(ranks):
+        assert got["greedy"] == ref["greedy"], f"rank {rank}"
+        assert got["stopped"] == ref["stopped"], f"rank {rank}"
+        first, second = got["sampled"]
+        assert first == second == ranks[0]["sampled"][0], f"rank {rank}"
+        if pp == 1:
+            assert first == ref["sampled"][0], f"rank {rank}: differs from one process"
+    original, back = torch.load(path), torch.load(resaved)
+    assert original["config"] == back["config"]
+    for key, t in original["model"].items():
+        assert torch.equal(back["model"][key], t), key
+
+
+def test_load_gpt_refuses_a_file_that_does_not_match_its_config(gpt_reference, tmp_path):
+    from dsparallel.models import load_gpt
+
+    _, path = gpt_reference
+    saved = torch.load(path)
+    saved["model"]["blocks.1.mlp.fc1.weight"] = torch.zeros(3, 3)
+    bad = str(tmp_path / "bad.pt")
+    torch.save(saved, bad)
+    with pytest.raises(
+        ValueError, match=r"blocks.1.mlp.fc1.weight is \(3, 3\), expected \(128, 32\)"
+    ):
+        load_gpt(bad)
