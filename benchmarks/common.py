@@ -18,6 +18,7 @@ rounds, each summarised by the median of its samples (``round_stats``).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -79,6 +80,31 @@ def machine_class(m: dict) -> str:
     cpu = re.sub(r"\((R|TM)\)|CPU|Processor|@.*|\d+-Core", "", m["cpu"])
     slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")
     return f"{slug}-{m['cores']}c"
+
+
+def malloc_bytes() -> tuple[int, int]:
+    """glibc's allocator counters (``mallinfo2``): the bytes it holds from
+    the system (heap arenas plus mmapped blocks) and the bytes handed out
+    and not yet freed. CPU tensors' storage comes from it."""
+    info = _mallinfo2()()
+    return info.arena + info.hblkhd, info.uordblks + info.hblkhd
+
+
+@functools.cache
+def _mallinfo2():
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+            ).split()
+        ]
+
+    fn = ctypes.CDLL("libc.so.6").mallinfo2
+    fn.restype = Info
+    return fn
 
 
 def stats(samples) -> dict:

@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import save, stats  # noqa: E402
+from common import malloc_bytes, save, stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 LLAMA = dict(
@@ -105,6 +105,68 @@ def _ours(rank, world, path, args, threads):
     if world > 1:
         result["collective_share"] = _collective_share(run, args)
         dsparallel.destroy_parallel()
+    return result
+
+
+# glibc without its per-thread cache and fast bins: freed chunks are free
+# at once, so the bytes in use are the bytes live (with them, transient
+# buffers of every new key length would linger as "in use").
+EXACT_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"}
+
+
+def decode_memory(model, ids, new: int) -> dict:
+    """What generating ``new`` tokens after ``ids`` makes the allocator do
+    past the third decode step (the cache and the first steps' buffers
+    are in place by then): the growth of the bytes glibc holds from the
+    system and of the bytes in use, read after every step (cyclic garbage
+    collected first; exact in a process started with ``EXACT_MALLOC``),
+    and whether the cache tensors ever moved (they are written in place)."""
+    import gc
+
+    import torch
+
+    from dsparallel.inference import KVCache, generate
+
+    # Read into a tensor allocated beforehand: a list of readings would
+    # itself grow the bytes in use.
+    seen, step = torch.zeros(new, 3, dtype=torch.long), model.cached_step
+    calls, first_cache = [0], []
+
+    def recorded(*a, **kw):
+        out = step(*a, **kw)
+        gc.collect()
+        ptrs = [t.data_ptr() for slot in a[3].values() for t in slot.values()]
+        first_cache[:] = first_cache or ptrs
+        seen[calls[0]] = torch.tensor([*malloc_bytes(), ptrs != first_cache])
+        calls[0] += 1
+        return out
+
+    model.cached_step = recorded
+    try:
+        generate(model, ids, max_new_tokens=new)
+    finally:
+        del model.cached_step
+    held, used, moved = seen[3 : calls[0]].unbind(1)
+    return {
+        "steps": len(held),
+        "held_growth_bytes": int(held.max() - held[0]),
+        "in_use_growth_bytes": int(used.max() - used[0]),
+        "cache_moved": bool(moved.any()),
+        "cache_bytes_per_token": KVCache(model, 1, 1, torch.float32).nbytes,
+    }
+
+
+def _ours_decode_memory(rank, world, path, args):
+    import torch
+
+    import dsparallel
+    from dsparallel.models import from_pretrained
+
+    torch.set_num_threads(1)
+    state = dsparallel.init_parallel(world)
+    model = from_pretrained(path, state, dtype=torch.float32)
+    result = decode_memory(model, _prompts(1, args), 4 * args["new"])
+    dsparallel.destroy_parallel()
     return result
 
 
@@ -256,6 +318,23 @@ def main():
                     for b in BATCHES
                 ),
             )
+        # Our tp 2 decode under the allocator's exact counters, in processes
+        # of their own (the setting slows malloc: no timing runs there).
+        os.environ.update(EXACT_MALLOC)
+        try:
+            memory = run_ranks(_ours_decode_memory, 2, path, args)
+        finally:
+            os.environ.pop("GLIBC_TUNABLES")
+        rows[0]["decode_memory"] = {
+            "per_rank": memory,
+            "steps": memory[0]["steps"],
+            "in_use_growth_bytes": max(m["in_use_growth_bytes"] for m in memory),
+            "held_growth_bytes": max(m["held_growth_bytes"] for m in memory),
+        }
+        print(
+            "ours tp 2, decode memory over {steps} steps: in-use growth {in_use_growth_bytes} B, "
+            "held growth {held_growth_bytes} B".format(**rows[0]["decode_memory"])
+        )
     save("inference", rows, {**vars(a), "llama": LLAMA})
     base = {b: rows[0][f"batch{b}"]["latency_s"]["median"] for b in BATCHES}
     print("\nlatency per token (ms), ours tp 2 / theirs")

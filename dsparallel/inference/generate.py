@@ -201,17 +201,16 @@ def _run_local(model, input_ids, full_mask, positions, cache, sampler, stop, ste
     # With experts split over ranks each step is collective: all run alike.
     can_stop = model.layout.ep_size == 1
     logits = model.cached_step(input_ids, positions[:, :p], full_mask, cache.layers, 0)
-    new = []
+    new = torch.empty(input_ids.shape[0], steps, dtype=torch.long)  # written in place
     for n in range(steps):
-        tokens = stop.apply(sampler(logits))
-        new.append(tokens)
+        new[:, n] = stop.apply(sampler(logits))
         if n == steps - 1 or (can_stop and stop.all_done()):
-            break
+            return new[:, : n + 1]
         at = p + n
         logits = model.cached_step(
-            tokens[:, None], positions[:, at : at + 1], full_mask, cache.layers, at
+            new[:, n : n + 1], positions[:, at : at + 1], full_mask, cache.layers, at
         )
-    return torch.stack(new, dim=1)
+    return new
 
 
 def _run_pipelined(model, input_ids, full_mask, positions, cache, sampler, stop, steps):
@@ -224,8 +223,12 @@ def _run_pipelined(model, input_ids, full_mask, positions, cache, sampler, stop,
     ]
     hidden, dtype = model.config.hidden_size, model._dtype()
     caches = [cache.rows(a, z) for a, z in bounds]
-    new = [[] for _ in bounds]
-    pending = []  # (work, tensor): sends complete before their tensors go
+    out = torch.empty(b, steps, dtype=torch.long)  # the last stage's tokens, in place
+    # Per micro-batch its last send (work, tensor): the tensor lives until
+    # the send completes, which it has when this micro-batch's next input
+    # arrives (that needed the send received), so waiting on it then
+    # costs nothing and nothing piles up over the steps.
+    pending = {}
     for n in range(steps):
         start, q = (0, p) if n == 0 else (p + n - 1, 1)
         for m, (a, z) in enumerate(bounds):
@@ -239,20 +242,21 @@ def _run_pipelined(model, input_ids, full_mask, positions, cache, sampler, stop,
                 x = torch.empty(q, z - a, hidden, dtype=dtype)
                 dist.recv(x, group=group, group_src=lay.pp_rank - 1)
             keys = None if full_mask is None else full_mask[a:z]
-            out = model.cached_step(x, positions[a:z, start : start + q], keys, caches[m], start)
+            h = model.cached_step(x, positions[a:z, start : start + q], keys, caches[m], start)
             if not model.is_last:
-                out = out.contiguous()
-                pending.append((dist.isend(out, group=group, group_dst=lay.pp_rank + 1), out))
+                _send(pending, m, h.contiguous(), group, lay.pp_rank + 1)
                 continue
-            tokens = stop.apply(sampler(out), slice(a, z))
-            new[m].append(tokens)
+            tokens = stop.apply(sampler(h), slice(a, z))
+            out[a:z, n] = tokens
             if n < steps - 1:
-                t = tokens[:, None].contiguous()
-                pending.append((dist.isend(t, group=group, group_dst=0), t))
-    for work, _ in pending:
+                _send(pending, m, tokens[:, None].contiguous(), group, 0)
+    for work, _ in pending.values():
         work.wait()
-    out = torch.empty(b, steps, dtype=torch.long)
-    if model.is_last:
-        out = torch.cat([torch.stack(t, dim=1) for t in new])
     dist.broadcast(out, group=group, group_src=last)
     return out
+
+
+def _send(pending: dict, m: int, tensor: torch.Tensor, group, dst: int) -> None:
+    if m in pending:
+        pending[m][0].wait()
+    pending[m] = (dist.isend(tensor, group=group, group_dst=dst), tensor)
