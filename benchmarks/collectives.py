@@ -61,7 +61,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import ROUNDS, save, stats  # noqa: E402
+from common import ROUNDS, remove_deepspeed_segments, save, stats  # noqa: E402
 from fresh import fresh  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
@@ -301,20 +301,8 @@ def _worker(rank, n, collectives, sizes, nodes=1, dtype="float32", deepspeed=Tru
                 print(_format_row(row), flush=True)
     dist.destroy_process_group()
     if "deepspeed" in extras:
-        _remove_deepspeed_segments(rank)
+        remove_deepspeed_segments(rank)
     return rows
-
-
-def _remove_deepspeed_segments(rank):
-    """DeepSpeed's shared-memory all-reduce never unlinks its segments (one
-    per rank, named for the job's address and port): left alone, repeated
-    runs filled 9 GB of /dev/shm on a 2-core machine. Each rank removes its
-    own once the group is gone."""
-    import glob
-
-    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
-        os.remove(path)
 
 
 def _mpi_available():

@@ -13,7 +13,15 @@ one thread each for every tensor-parallel run, one process of two threads
 for the one-process runs: the same two cores. The share of our tp 2 decode
 spent in the tensor-parallel collectives (the all-reduces after the
 attention and MLP, the logits' all-gather) is measured with torch's
-profiler over one batch-1 generation.
+profiler over one batch-1 generation, and what its decode steps make
+glibc's allocator do (``decode_memory``) in processes of their own.
+
+Each baseline at its defaults and, where it has them, its best settings:
+``transformers`` with its default dynamic cache and with its static cache
+(``torch.compile`` left out: compiling a 20-layer model on two cores takes
+longer than the whole run); DeepSpeed's CPU inference has one setting
+(AutoTP with its shared-memory all-reduce: kernel injection is CUDA only);
+``parallelize_module`` over gloo (torch's CPU default) and over "dsp".
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import malloc_bytes, save, stats  # noqa: E402
+from common import malloc_bytes, remove_deepspeed_segments, save, stats  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
 LLAMA = dict(
@@ -166,8 +174,10 @@ def _ours_decode_memory(rank, world, path, args):
     state = dsparallel.init_parallel(world)
     model = from_pretrained(path, state, dtype=torch.float32)
     result = decode_memory(model, _prompts(1, args), 4 * args["new"])
+    every = [None] * world
+    torch.distributed.all_gather_object(every, result)
     dsparallel.destroy_parallel()
-    return result
+    return every
 
 
 def _collective_share(run, args) -> dict:
@@ -210,20 +220,27 @@ def _hf_model(path, threads):
     return model
 
 
-def _hf_run(model):
+def _hf_run(model, cache=None):
     import torch
+
+    extra = {} if cache is None else {"cache_implementation": cache}
 
     def run(ids, new):
         with torch.no_grad():
             return model.generate(
-                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+                ids,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
             )
 
     return run
 
 
-def _transformers(rank, world, path, args):
-    return _measure(_hf_run(_hf_model(path, 2)), args, distributed=False)
+def _transformers(rank, world, path, args, cache=None):
+    return _measure(_hf_run(_hf_model(path, 2), cache), args, distributed=False)
 
 
 def _torch_tp(rank, world, path, args, backend):
@@ -269,11 +286,7 @@ def _deepspeed(rank, world, path, args):
         )
     result = _measure(_hf_run(engine.module), args, distributed=True)
     torch.distributed.destroy_process_group()
-    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    import glob
-
-    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
-        os.remove(f)
+    remove_deepspeed_segments(rank)
     return result
 
 
@@ -299,6 +312,12 @@ def main():
             ("ours, tp 2 (2 processes)", _ours, 2, (path, args, 1)),
             ("ours, tp 1 (1 process, 2 threads)", _ours, 1, (path, args, 2)),
             ("transformers generate (1 process, 2 threads)", _transformers, 1, (path, args)),
+            (
+                "transformers generate, static cache (1 process, 2 threads)",
+                _transformers,
+                1,
+                (path, args, "static"),
+            ),
             ("DeepSpeed init_inference, tp 2 (its shm all-reduce)", _deepspeed, 2, (path, args)),
             ('torch parallelize_module, tp 2 over "dsp"', _torch_tp, 2, (path, args, "dsp")),
             ("torch parallelize_module, tp 2 over gloo", _torch_tp, 2, (path, args, "gloo")),

@@ -481,6 +481,15 @@ def _inference(r):
             "collectives (torch profiler, CPU time of the ops over the wall time).",
             "",
         ]
+    memory = ours.get("decode_memory")
+    if memory is not None:
+        lines += [
+            f"Over {memory['steps']} batch-1 decode steps after the first three, our tp 2 ranks'",
+            f"bytes in use grew by at most {memory['in_use_growth_bytes']} B and glibc took",
+            f"{memory['held_growth_bytes']} B more from the system (its counters, `mallinfo2`, in",
+            "processes without its caches of freed chunks); the KV cache never moved.",
+            "",
+        ]
     return lines
 
 
