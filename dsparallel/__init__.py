@@ -10,7 +10,7 @@ from ._version import __version__  # noqa: F401  (the package version)
 
 load_extension()  # before any module that imports _C: a clear error on a torch mismatch
 
-from . import backend, comm_hooks, moe, tensor_parallel
+from . import backend, comm_hooks, context_parallel, moe, tensor_parallel
 from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .ops import fused_all_reduce
@@ -27,6 +27,7 @@ __all__ = [
     "backend",
     "checkpoint",
     "comm_hooks",
+    "context_parallel",
     "destroy_parallel",
     "fused_all_reduce",
     "get_parallel_state",

@@ -6,6 +6,12 @@ ranks, and tensor parallelism, which communicates in every layer, stays on a
 host); data-parallel replicas of one stage come next and pipeline stages are
 furthest apart.
 
+With ``context_parallel_size=C`` the mesh is (pp, dp, cp, tp): C adjacent
+groups of tensor-parallel ranks hold different parts of the same sequences
+(``dsparallel.context_parallel``). They hold the same parameters, so
+gradients are reduced over dp x cp: ``dp_cp_group`` (the data-parallel
+group itself when C is 1), which DDP and ZeRO take.
+
 With ``expert_parallel_size=E`` the data-parallel dimension is also read as
 (edp, ep): E consecutive data-parallel ranks form an expert-parallel group
 (they split the routed experts of a mixture-of-experts layer between them),
@@ -45,12 +51,16 @@ class ParallelState:
     expert_dp_group: dist.ProcessGroup | None = None  # dp_group when it is 1
     ep_rank: int = 0
     ep_size: int = 1
+    cp_group: dist.ProcessGroup | None = None  # None when context_parallel_size is 1
+    dp_cp_group: dist.ProcessGroup | None = None  # gradients' group; dp_group when cp is 1
+    cp_rank: int = 0
+    cp_size: int = 1
 
     def __repr__(self) -> str:
         return (
             f"ParallelState(rank {dist.get_rank()}: tp {self.tp_rank}/{self.tp_size}, "
             f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, "
-            f"ep {self.ep_rank}/{self.ep_size})"
+            f"ep {self.ep_rank}/{self.ep_size}, cp {self.cp_rank}/{self.cp_size})"
         )
 
 
@@ -60,6 +70,7 @@ def init_parallel(
     backend: str | None = None,
     *,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
     """Builds the layout (initialising torch.distributed with ``backend``, by
     default "dsp" for CPU and "cpu:dsp,cuda:nccl" with CUDA, if not done yet)
@@ -72,6 +83,7 @@ def init_parallel(
         ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
         ("expert_parallel_size", expert_parallel_size),
+        ("context_parallel_size", context_parallel_size),
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_parallel: {name} must be a positive integer, got {value!r}")
@@ -81,14 +93,20 @@ def init_parallel(
         dist.init_process_group(backend)
         _we_initialised = True
     world = dist.get_world_size()
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if world % (tp * pp):
+    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    if world % (tp * pp * cp):
         raise ValueError(
             f"init_parallel: world size {world} is not divisible by tensor_parallel_size "
-            f"({tp}) x pipeline_parallel_size ({pp}) = {tp * pp}"
+            f"({tp}) x pipeline_parallel_size ({pp}) x context_parallel_size ({cp}) = "
+            f"{tp * pp * cp}"
         )
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     ep = expert_parallel_size
+    if ep > 1 and cp > 1:
+        raise ValueError(
+            "init_parallel: expert_parallel_size and context_parallel_size cannot both be "
+            "above 1 yet"
+        )
     if dp % ep:
         raise ValueError(
             f"init_parallel: expert_parallel_size ({ep}) must divide the data-parallel size "
@@ -96,7 +114,10 @@ def init_parallel(
             "out of the data-parallel ranks"
         )
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() != "dsp" else "cpu"
-    mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    if cp == 1:
+        mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh(device, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     _state = ParallelState(
         mesh=mesh,
         tp_group=mesh.get_group("tp"),
@@ -109,7 +130,18 @@ def init_parallel(
         pp_size=pp,
         dp_size=dp,
         expert_dp_group=mesh.get_group("dp"),
+        dp_cp_group=mesh.get_group("dp"),
     )
+    if cp > 1:
+        # The same (pp, tp) place's dp x cp ranks, as one dimension.
+        flat = init_device_mesh(device, (pp, dp * cp, tp), mesh_dim_names=("pp", "dp_cp", "tp"))
+        _state = dataclasses.replace(
+            _state,
+            cp_group=mesh.get_group("cp"),
+            cp_rank=mesh.get_local_rank("cp"),
+            cp_size=cp,
+            dp_cp_group=flat.get_group("dp_cp"),
+        )
     if ep > 1:
         experts = init_device_mesh(
             device, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")

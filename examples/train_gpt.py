@@ -83,7 +83,13 @@ def batch(corpus: torch.Tensor, step: int, size: int, seq: int):
 
 
 def layout_of(state) -> dict:
-    return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "ep": state.ep_size}
+    return {
+        "tp": state.tp_size,
+        "pp": state.pp_size,
+        "dp": state.dp_size,
+        "ep": state.ep_size,
+        "cp": state.cp_size,
+    }
 
 
 def save(path, rank, state, cfg, step, module, opt, history):
@@ -118,6 +124,7 @@ def resume(path, rank, state, cfg, module, opt):
     with open(os.path.join(path, "layout.json")) as f:
         saved = json.load(f)["layout"]
     saved.setdefault("ep", 1)  # saved before expert parallelism
+    saved.setdefault("cp", 1)  # saved before context parallelism
     mine = layout_of(state)
     only_dp_differs = {k: v for k, v in saved.items() if k != "dp"} == {
         k: v for k, v in mine.items() if k != "dp"
@@ -202,11 +209,17 @@ def make_job(
     schedule: str = "1f1b",
     expert_parallel: int = 1,
     stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_mode: str = "ring",
 ) -> Job:
     """Lays out the ranks, builds this rank's stage, wraps it in DDP across
     its replicas and in the 1F1B schedule across the stages."""
     state = dsparallel.init_parallel(
-        tensor_parallel, pipeline_parallel, backend, expert_parallel_size=expert_parallel
+        tensor_parallel,
+        pipeline_parallel,
+        backend,
+        expert_parallel_size=expert_parallel,
+        context_parallel_size=context_parallel,
     )
     if batch_size % (state.dp_size * micro_batches):
         raise SystemExit(
@@ -224,12 +237,22 @@ def make_job(
         indices = [r, 2 * pp - 1 - r]
     stages = []
     for index in indices:
-        module = build_stage(cfg, index, num_stages, group=state.tp_group, checkpoint=checkpoint)
-        if state.dp_size > 1:
-            # zero_stage=2: the reducer reduce-scatters each bucket into this
-            # rank's gradient shard instead of all-reducing it.
+        module = build_stage(
+            cfg,
+            index,
+            num_stages,
+            group=state.tp_group,
+            checkpoint=checkpoint,
+            context_parallel_group=state.cp_group,
+            cp_mode=cp_mode,
+        )
+        if state.dp_size * state.cp_size > 1:
+            # Gradients are reduced over the data- and context-parallel ranks
+            # (the same parameters, other tokens). zero_stage=2: the reducer
+            # reduce-scatters each bucket into this rank's gradient shard
+            # instead of all-reducing it.
             module = dsparallel.DistributedDataParallel(
-                module, process_group=state.dp_group, zero_stage=2 if zero_stage == 2 else 0
+                module, process_group=state.dp_cp_group, zero_stage=2 if zero_stage == 2 else 0
             )
         stages.append(PipelineStage(module, index, num_stages, group=state.pp_group))
     loss_fn = gpt_loss(state.tp_group)
@@ -242,7 +265,7 @@ def make_job(
         # AdamW's state (and with stage 2 the gradients) sharded evenly over
         # the data-parallel replicas.
         opt = dsparallel.ZeroRedundancyOptimizer(
-            module.parameters(), torch.optim.AdamW, process_group=state.dp_group, lr=lr
+            module.parameters(), torch.optim.AdamW, process_group=state.dp_cp_group, lr=lr
         )
     elif zero_stage == 0:
         opt = torch.optim.AdamW(module.parameters(), lr=lr)
@@ -259,10 +282,14 @@ def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
     ids, target = batch(corpus, step, job.batch_size, job.cfg.seq_len)
     per_replica = job.batch_size // state.dp_size
     mine = slice(state.dp_rank * per_replica, (state.dp_rank + 1) * per_replica)
+    ids, target = ids[mine], target[mine]
+    if state.cp_size > 1:  # this rank's part of every sequence
+        ids = dsparallel.context_parallel.shard_sequence(ids, state.cp_group)
+        target = dsparallel.context_parallel.shard_sequence(target, state.cp_group)
     losses = []
-    inputs = (ids[mine],) if is_first else ()
+    inputs = (ids,) if is_first else ()
     if is_last:
-        job.schedule.step(*inputs, target=target[mine], losses=losses)
+        job.schedule.step(*inputs, target=target, losses=losses)
     else:
         job.schedule.step(*inputs)
     job.opt.step()
@@ -271,10 +298,11 @@ def train_step(job: Job, corpus: torch.Tensor, step: int) -> float:
     # the counts of every data-parallel replica.
     dsparallel.moe.update_expert_bias(job.module, state.dp_group)
     # The loss lives on the last stage: its mean over the data-parallel
-    # replicas reaches every rank through one small all-reduce.
+    # replicas (and the context-parallel parts, of equal token counts)
+    # reaches every rank through one small all-reduce.
     contribution = torch.zeros(1)
     if is_last and state.tp_rank == 0:
-        contribution += torch.stack(losses).mean() / state.dp_size
+        contribution += torch.stack(losses).mean() / (state.dp_size * state.cp_size)
     dist.all_reduce(contribution)
     return contribution.item()
 
@@ -309,7 +337,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=500, help="train until this step")
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seq", "--seq-len", type=int, default=64, help="sequence length")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
@@ -353,6 +381,18 @@ def main() -> None:
         default=1,
         help="expert-parallel size, carved out of the data-parallel ranks",
     )
+    p.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        help="context-parallel size: ranks holding parts of the same sequences",
+    )
+    p.add_argument(
+        "--cp-mode",
+        default="ring",
+        choices=["ring", "ulysses"],
+        help="attention across the context-parallel ranks",
+    )
     p.add_argument("--save", help="directory for a checkpoint at the end")
     p.add_argument("--resume", help="directory of a checkpoint to continue from")
     p.add_argument("--plot", default="gpt_loss.png", help="loss curve PNG ('' for none)")
@@ -390,6 +430,8 @@ def main() -> None:
         schedule=args.schedule,
         expert_parallel=args.expert_parallel,
         stages_per_rank=args.stages_per_rank,
+        context_parallel=args.context_parallel,
+        cp_mode=args.cp_mode,
     )
     state, module, opt = job.state, job.module, job.opt
     rank = dist.get_rank()
@@ -404,6 +446,7 @@ def main() -> None:
             f"GPT {cfg.layers} layers x {cfg.hidden} hidden on {dist.get_world_size()} ranks: "
             f"tp {state.tp_size} x pp {state.pp_size} x dp {state.dp_size}"
             + (f" (ep {state.ep_size})" if state.ep_size > 1 else "")
+            + (f" x cp {state.cp_size} ({args.cp_mode})" if state.cp_size > 1 else "")
             + ", "
             f"{job.micro_batches} micro-batches, {n:,} parameters on rank 0; "
             f"{len(corpus):,} characters of text" + (f"; resumed at step {start}" if start else ""),

@@ -386,7 +386,8 @@ class _Stage(nn.Module):
 def _first_last_stage_group(lay: Layout):
     """The group of the first and last stage's ranks at this rank's
     (dp, tp) place; every rank creates every such group, in one order."""
-    grid = lay.mesh.mesh  # [pp, dp, tp] global ranks
+    grid = lay.mesh.mesh  # [pp, dp, tp] global ranks ([pp, dp, cp, tp] with cp)
+    grid = grid.reshape(grid.shape[0], -1, grid.shape[-1])
     me = dist.get_rank()
     mine = None
     for d in range(grid.shape[1]):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import context_parallel
 from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
 from ..moe import MoE
@@ -51,13 +52,22 @@ class GPTConfig:
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: GPTConfig, group):
+    """Token embedding split by vocabulary plus a learned position embedding;
+    under context parallelism ids hold this rank's part of the sequence,
+    whose global positions it looks up."""
+
+    def __init__(self, cfg: GPTConfig, group, cp_group=None):
         super().__init__()
         self.tok = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, group=group)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.cp_group = cp_group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        if self.cp_group is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        else:
+            whole = ids.shape[1] * self.cp_group.size()
+            positions = context_parallel.positions(whole, self.cp_group, device=ids.device)
         return self.tok(ids) + self.pos(positions)
 
 
@@ -66,12 +76,20 @@ class Block(nn.Module):
     kept for backward and the rest is recomputed (per block, as Megatron's
     full recomputation does), with the same dropout masks."""
 
-    def __init__(self, cfg: GPTConfig, group, checkpoint: bool = False):
+    def __init__(
+        self, cfg: GPTConfig, group, checkpoint: bool = False, cp_group=None, cp_mode="ring"
+    ):
         super().__init__()
         self.checkpoint = checkpoint
         self.ln1, self.ln2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
         self.attn = tp.ParallelAttention(
-            cfg.hidden, cfg.heads, group=group, causal=True, dropout=cfg.dropout
+            cfg.hidden,
+            cfg.heads,
+            group=group,
+            causal=True,
+            dropout=cfg.dropout,
+            context_parallel_group=cp_group,
+            cp_mode=cp_mode,
         )
         if cfg.moe_experts:
             # Experts are not split by tensor parallelism: every rank of a
@@ -127,10 +145,15 @@ def build_stage(
     group: dist.ProcessGroup | None = None,
     seed: int = 0,
     checkpoint: bool = False,
+    context_parallel_group: dist.ProcessGroup | None = None,
+    cp_mode: str = "ring",
 ) -> nn.Sequential:
     """The layers of pipeline stage ``stage`` (all of them for one stage),
     tensor-parallel over ``group``; ``checkpoint`` recomputes each block's
-    activations in backward."""
+    activations in backward; ``context_parallel_group``: each rank holds
+    its part of the sequence (``context_parallel.shard_sequence``), its
+    attention ring (``cp_mode="ring"``) or Ulysses."""
+    cp = context_parallel_group
     if cfg.vocab_size % _group_size(group):
         raise ValueError(
             f"vocab_size={cfg.vocab_size} must be divisible by the tensor-parallel size "
@@ -145,9 +168,9 @@ def build_stage(
     layers = []
     r, n = tp.group.resolve_group(group, "GPT").rank(), _group_size(group)
     if stage == 0:
-        layers.append(_with_specs(seeded(0, lambda: Embedding(cfg, group)), cfg, "embed", r, n))
+        layers.append(_with_specs(seeded(0, lambda: Embedding(cfg, group, cp)), cfg, "embed", r, n))
     for i in stage_blocks(cfg.layers, stage, num_stages):
-        block = seeded(1 + i, lambda: Block(cfg, group, checkpoint))
+        block = seeded(1 + i, lambda: Block(cfg, group, checkpoint, cp, cp_mode))
         layers.append(_with_specs(block, cfg, f"blocks.{i}", r, n))
     if stage == num_stages - 1:
         layers.append(

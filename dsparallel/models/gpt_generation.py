@@ -40,6 +40,8 @@ class GPTForGeneration(nn.Module):
             )
         if any(not isinstance(b.mlp, tp.ParallelMLP) for b in blocks):
             raise ValueError("GPTForGeneration: mixture-of-experts blocks are not supported")
+        if any(b.attn.cp_group is not None for b in blocks):
+            raise ValueError("GPTForGeneration: build the stage without context parallelism")
         self.layers = dict(zip(map(str, indices), blocks))  # the stage holds them
 
     def _dtype(self) -> torch.dtype:

@@ -4,6 +4,11 @@ QKV is a column-parallel projection laid out per rank as [q_r; k_r; v_r] (this
 rank's heads of each), attention runs on the local heads with
 ``scaled_dot_product_attention``, and the output projection is row-parallel:
 one all-reduce forward, one backward, as in Megatron-LM.
+
+With a ``context_parallel_group`` each rank holds its part of the sequence
+in the load-balanced layout (``dsparallel.context_parallel``) and its local
+heads attend over the whole sequence through ring attention or Ulysses
+(``cp_mode``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..context_parallel import ring_attention, ulysses_attention
 from .group import check_divisible, resolve_group, set_up_from
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .random import get_rng_tracker
@@ -32,6 +38,8 @@ class ParallelAttention(nn.Module):
         dropout: float = 0.0,
         device=None,
         dtype=None,
+        context_parallel_group: dist.ProcessGroup | None = None,
+        cp_mode: str = "ring",
     ):
         super().__init__()
         g = resolve_group(group, "ParallelAttention")
@@ -46,6 +54,28 @@ class ParallelAttention(nn.Module):
             dtype=dtype,
         )
         self._setup(mha, g, causal)
+        self._set_context_parallel(context_parallel_group, cp_mode, dropout)
+
+    def _set_context_parallel(self, group, mode: str, dropout: float) -> None:
+        """Checks, on every rank alike, what context parallelism needs."""
+        if mode not in ("ring", "ulysses"):
+            raise ValueError(
+                f"ParallelAttention: cp_mode must be 'ring' or 'ulysses', got {mode!r}"
+            )
+        if group is not None and group.size() > 1:
+            if dropout:
+                raise ValueError(
+                    "ParallelAttention: context parallelism takes no attention dropout"
+                )
+            heads, size = self.num_heads_per_partition, group.size()
+            if mode == "ulysses" and heads % size:
+                raise ValueError(
+                    f"ParallelAttention: Ulysses splits this rank's {heads} heads over the "
+                    f"{size} context-parallel ranks: they are not divisible (use cp_mode='ring')"
+                )
+        else:
+            group = None
+        self.cp_group, self.cp_mode = group, mode
 
     @staticmethod
     def _check(hidden_size: int, num_heads: int, size: int) -> None:
@@ -107,6 +137,12 @@ class ParallelAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.num_heads_per_partition, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if getattr(self, "cp_group", None) is not None:
+            if attn_mask is not None:
+                raise ValueError("ParallelAttention: context parallelism takes no attn_mask")
+            attend = ring_attention if self.cp_mode == "ring" else ulysses_attention
+            out = attend(q, k, v, self.cp_group, causal=self.causal)
+            return self.proj(out.transpose(1, 2).reshape(b, s, -1))
         dropout = self.dropout if self.training else 0.0
         is_causal = self.causal
         if attn_mask is not None and self.causal:

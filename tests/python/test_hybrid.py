@@ -89,6 +89,11 @@ def _run_job(tmp_path, name, *args, nproc=4):
         + ("--stages-per-rank", "2"),
         ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--schedule", "zb1p")
         + ("--stages-per-rank", "2"),
+        ("--tensor-parallel", "2", "--pipeline-parallel", "1", "--context-parallel", "2"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "2", "--context-parallel", "2")
+        + ("--zero-stage", "2"),
+        ("--tensor-parallel", "1", "--pipeline-parallel", "1", "--context-parallel", "2")
+        + ("--cp-mode", "ulysses"),
     ],
     ids=[
         "tp2-pp2",
@@ -102,6 +107,9 @@ def _run_job(tmp_path, name, *args, nproc=4):
         "tp2-pp2-interleaved",
         "tp2-pp2-zb1p-interleaved",
         "pp2-dp2-zb1p-interleaved",
+        "tp2-cp2",
+        "pp2-cp2-zero2",
+        "dp2-cp2-ulysses",
     ],
 )
 def test_gpt_layouts_match_one_process(tmp_path, reference, layout):
@@ -159,7 +167,7 @@ def test_gpt_resume_equals_uninterrupted_run(tmp_path):
         check=False,
     )
     assert refused.returncode != 0
-    assert "saved with layout {'tp': 2, 'pp': 2, 'dp': 1, 'ep': 1}" in refused.stderr
+    assert "saved with layout {'tp': 2, 'pp': 2, 'dp': 1, 'ep': 1, 'cp': 1}" in refused.stderr
     needed = "Resharding works for the data-parallel size with --zero-stage 1 or 2 (and no"
     assert needed in refused.stderr
 
@@ -192,3 +200,96 @@ def _layout_body(rank, world):
 
 def test_init_parallel_layout():
     run_ranks(_layout_body, 4)
+
+
+def _cp_gradients_body(rank, world, mode):
+    """One step of the GPT at tp 2 x cp 2 on fp64, every parameter's
+    gradient (tensor-parallel shards put back together through the
+    layers' checkpoint specs, context-parallel parts summed as DDP's
+    reduction over dp x cp would) against the same model in one process on
+    the whole sequences: the largest difference relative to the gradient's
+    largest value, per tensor, and the two losses."""
+    from dsparallel.context_parallel import shard_sequence
+    from dsparallel.models import GPTConfig, build_stage, gpt_loss
+    from dsparallel.models.checkpoint_io import _assemble
+    from dsparallel.models.hf_map import specs_of, split
+
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    state = dsparallel.init_parallel(2, 1, context_parallel_size=2)
+    cfg = GPTConfig(seq_len=32, hidden=64, heads=4, layers=2)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)
+    target = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)
+
+    def grads(module, group, cp):
+        module.double()
+        x, y = ids, target
+        if cp is not None:
+            x, y = shard_sequence(ids, cp), shard_sequence(target, cp)
+        loss = gpt_loss(group)(module(x), y)
+        loss.backward()
+        params = dict(module.named_parameters())
+        if cp is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=cp)
+            loss /= cp.size()
+            for p in params.values():
+                dist.all_reduce(p.grad, group=cp)
+                p.grad /= cp.size()
+        blocks = [
+            (piece, block.detach().clone())
+            for name, node in specs_of(module).items()
+            for piece, block in split(node, params[name].grad)
+        ]
+        return loss.item(), blocks
+
+    ref_loss, ref_blocks = grads(build_stage(cfg, group=solo), solo, None)
+    ref = _assemble([ref_blocks])
+    module = build_stage(
+        cfg, group=state.tp_group, context_parallel_group=state.cp_group, cp_mode=mode
+    )
+    loss, blocks = grads(module, state.tp_group, state.cp_group)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, blocks)
+    got = _assemble(everyone)
+    assert set(got) == set(ref)
+    worst = {k: ((got[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
+    dsparallel.destroy_parallel()
+    return {"loss": loss, "ref_loss": ref_loss, "worst": worst}
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_gpt_context_parallel_gradients_match_one_process(mode):
+    for got in run_ranks(_cp_gradients_body, 4, mode, init=True, timeout=120):
+        assert abs(got["loss"] - got["ref_loss"]) < 1e-12, got["loss"]
+        assert len(got["worst"]) == 2 + 2 * 12 + 3, sorted(got["worst"])
+        for key, rel in got["worst"].items():
+            assert rel < 1e-10, f"{key}: off by {rel:.3g} of its largest value"
+
+
+def _cp_bad_layout_body(rank, world):
+    from dsparallel.models import GPTConfig, build_stage
+
+    errors = []
+    try:
+        dsparallel.init_parallel(1, 1, context_parallel_size=3)
+    except ValueError as e:
+        errors.append(str(e))
+    state = dsparallel.init_parallel(1, 1, context_parallel_size=2)
+    try:  # 3 heads over 2 ranks
+        build_stage(
+            GPTConfig(hidden=48, heads=3, layers=1),
+            context_parallel_group=state.cp_group,
+            cp_mode="ulysses",
+        )
+    except ValueError as e:
+        errors.append(str(e))
+    dsparallel.destroy_parallel()
+    return errors
+
+
+def test_gpt_context_parallel_bad_layout_is_refused_on_every_rank():
+    for errors in run_ranks(_cp_bad_layout_body, 2, timeout=60):
+        assert len(errors) == 2, errors
+        assert "context_parallel_size (3) = 3" in errors[0]
+        assert "Ulysses splits this rank's 3 heads over the 2 context-parallel ranks" in errors[1]
