@@ -3,14 +3,18 @@ tp 1 against ``transformers``' ``generate``, DeepSpeed's ``init_inference``
 tensor parallel and torch's ``parallelize_module`` over gloo and "dsp", in
 one run, the same weights everywhere.
 
-    python benchmarks/inference.py [--new 16] [--prompt 128]
+    python benchmarks/inference.py [--new 16] [--prompt 128] [--rounds 5] [--per-round 2]
 
 Greedy decoding of random prompts of ``--prompt`` tokens at batch 1 and 8.
 A sample is one ``generate`` of ``--new`` tokens minus one of a single token
 (the prefill), divided by ``--new`` - 1: the decode latency per token
-(slowest rank), and batch / latency the decode tokens/s. Two processes of
-one thread each for every tensor-parallel run, one process of two threads
-for the one-process runs: the same two cores. The share of our tp 2 decode
+(slowest rank), and batch / latency the decode tokens/s. Every
+configuration is set up once (its processes kept, idle while another
+runs) and the configurations are timed in ``--rounds`` interleaved rounds,
+their order rotating, ``--per-round`` samples each: a configuration's
+repeats are its rounds' medians. Two processes of one thread each for
+every tensor-parallel run, one process of two threads for the one-process
+runs: the same two cores. The share of our tp 2 decode
 spent in the tensor-parallel collectives (the all-reduces after the
 attention and MLP, the logits' all-gather) is measured with torch's
 profiler over one batch-1 generation, and what its decode steps make
@@ -34,8 +38,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import malloc_bytes, remove_deepspeed_segments, save, stats  # noqa: E402
-from launch import run_ranks  # noqa: E402
+from common import (  # noqa: E402
+    ROUNDS,
+    malloc_bytes,
+    remove_deepspeed_segments,
+    round_stats,
+    save,
+)
+from launch import Workers, run_ranks  # noqa: E402
 
 LLAMA = dict(
     vocab_size=32000,
@@ -65,8 +75,11 @@ def _prompts(batch, args):
     return torch.randint(3, LLAMA["vocab_size"], (batch, args["prompt"]), generator=g)
 
 
-def _measure(run, args, distributed: bool) -> dict:
-    """Per batch size: decode latency per token (s) and decode tokens/s."""
+def _rounds(run, args, distributed: bool, extra=None):
+    """The function each interleaved round calls on this configuration's
+    ranks: per batch size, ``--per-round`` samples of the decode latency per
+    token (s; the slowest rank's). The first round warms up first.
+    ``extra``: other commands it answers (name -> function)."""
     import torch
 
     def wall(fn):
@@ -79,20 +92,26 @@ def _measure(run, args, distributed: bool) -> dict:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return t.item()
 
-    out = {}
-    for batch in BATCHES:
-        ids = _prompts(batch, args)
-        run(ids, 2)  # warm-up
-        per_token = []
-        for _ in range(args["repeats"]):
-            prefill = wall(lambda ids=ids: run(ids, 1))
-            full = wall(lambda ids=ids: run(ids, args["new"]))
-            per_token.append(max(full - prefill, 1e-9) / (args["new"] - 1))
-        out[f"batch{batch}"] = {
-            "latency_s": stats(per_token),
-            "tokens_per_s": stats(batch / t for t in per_token),
-        }
-    return out
+    warm = []
+
+    def one_round(command):
+        if command != "round":
+            return extra[command]()
+        out = {}
+        for batch in BATCHES:
+            ids = _prompts(batch, args)
+            if not warm:
+                run(ids, 2)
+            samples = []
+            for _ in range(args["per_round"]):
+                prefill = wall(lambda ids=ids: run(ids, 1))
+                full = wall(lambda ids=ids: run(ids, args["new"]))
+                samples.append(max(full - prefill, 1e-9) / (args["new"] - 1))
+            out[f"batch{batch}"] = samples
+        warm.append(True)
+        return out
+
+    return one_round
 
 
 def _ours(rank, world, path, args, threads):
@@ -109,11 +128,11 @@ def _ours(rank, world, path, args, threads):
     def run(ids, new):
         return generate(model, ids, max_new_tokens=new)
 
-    result = _measure(run, args, distributed=world > 1)
+    extra = {"collective_share": lambda: _collective_share(run, args)} if world > 1 else {}
+    serve = _rounds(run, args, distributed=world > 1, extra=extra)
     if world > 1:
-        result["collective_share"] = _collective_share(run, args)
-        dsparallel.destroy_parallel()
-    return result
+        serve.close = dsparallel.destroy_parallel
+    return serve
 
 
 # glibc without its per-thread cache and fast bins: freed chunks are free
@@ -240,7 +259,7 @@ def _hf_run(model, cache=None):
 
 
 def _transformers(rank, world, path, args, cache=None):
-    return _measure(_hf_run(_hf_model(path, 2), cache), args, distributed=False)
+    return _rounds(_hf_run(_hf_model(path, 2), cache), args, distributed=False)
 
 
 def _torch_tp(rank, world, path, args, backend):
@@ -260,9 +279,9 @@ def _torch_tp(rank, world, path, args, backend):
     styles = {"col": ColwiseParallel, "row": RowwiseParallel}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {k: styles[v]() for k, v in TP_PLAN.items()})
-    result = _measure(_hf_run(model), args, distributed=True)
-    dist.destroy_process_group()
-    return result
+    serve = _rounds(_hf_run(model), args, distributed=True)
+    serve.close = dist.destroy_process_group
+    return serve
 
 
 def _deepspeed(rank, world, path, args):
@@ -284,19 +303,24 @@ def _deepspeed(rank, world, path, args):
             dtype=torch.float32,
             replace_with_kernel_inject=False,
         )
-    result = _measure(_hf_run(engine.module), args, distributed=True)
-    torch.distributed.destroy_process_group()
-    remove_deepspeed_segments(rank)
-    return result
+    serve = _rounds(_hf_run(engine.module), args, distributed=True)
+
+    def close():
+        torch.distributed.destroy_process_group()
+        remove_deepspeed_segments(rank)
+
+    serve.close = close
+    return serve
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds")
+    ap.add_argument("--per-round", type=int, default=2, help="samples per round")
     a = ap.parse_args()
-    args = {"new": a.new, "prompt": a.prompt, "repeats": a.repeats}
+    args = {"new": a.new, "prompt": a.prompt, "per_round": a.per_round}
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -322,21 +346,42 @@ def main():
             ('torch parallelize_module, tp 2 over "dsp"', _torch_tp, 2, (path, args, "dsp")),
             ("torch parallelize_module, tp 2 over gloo", _torch_tp, 2, (path, args, "gloo")),
         ]
+        # Every configuration set up once and kept (idle while another runs),
+        # then timed in interleaved rounds, their order rotating: a drift of
+        # the machine favours none.
+        workers, rows = {}, []
         for name, fn, world, fargs in configs:
             try:
-                r = run_ranks(fn, world, *fargs)
+                workers[name] = Workers(fn, world, *fargs)
+                rows.append({"system": name})
             except RuntimeError as e:  # a baseline that cannot run here is reported as such
                 print(f"{name}: did not run ({e})")
                 rows.append({"system": name, "error": str(e)})
+        samples = {name: {b: [] for b in BATCHES} for name in workers}
+        names = list(workers)
+        for rnd in range(a.rounds):
+            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                for b, values in workers[name].call("round").items():
+                    samples[name][int(b.removeprefix("batch"))].append(values)
+        for row in rows:
+            if "error" in row:
                 continue
-            rows.append({"system": name, **r})
+            for b in BATCHES:
+                per_round = samples[row["system"]][b]
+                row[f"batch{b}"] = {
+                    "latency_s": round_stats(per_round),
+                    "tokens_per_s": round_stats([[b / t for t in r] for r in per_round]),
+                }
             print(
-                name,
+                row["system"],
                 " ".join(
-                    f"batch {b}: {r[f'batch{b}']['latency_s']['median'] * 1e3:.1f} ms/token"
+                    f"batch {b}: {row[f'batch{b}']['latency_s']['median'] * 1e3:.1f} ms/token"
                     for b in BATCHES
                 ),
             )
+        rows[0]["collective_share"] = workers[names[0]].call("collective_share")
+        for w in workers.values():
+            w.close()
         # Our tp 2 decode under the allocator's exact counters, in processes
         # of their own (the setting slows malloc: no timing runs there).
         os.environ.update(EXACT_MALLOC)

@@ -484,10 +484,59 @@ def _inference(r):
     memory = ours.get("decode_memory")
     if memory is not None:
         lines += [
-            f"Over {memory['steps']} batch-1 decode steps after the first three, our tp 2 ranks'",
-            f"bytes in use grew by at most {memory['in_use_growth_bytes']} B and glibc took",
-            f"{memory['held_growth_bytes']} B more from the system (its counters, `mallinfo2`, in",
-            "processes without its caches of freed chunks); the KV cache never moved.",
+            f"Over {memory['steps']} batch-1 decode steps after the first three, the bytes in use "
+            f"of our tp 2 ranks grew by at most {memory['in_use_growth_bytes']} B (a token's KV "
+            f"cache is {memory['per_rank'][0]['cache_bytes_per_token']} B per rank) and glibc "
+            f"took {memory['held_growth_bytes']} B more from the system (its counters, "
+            "`mallinfo2`, in processes without its caches of freed chunks); the KV cache "
+            "never moved.",
+            "",
+        ]
+    return lines
+
+
+def _context_parallel(r):
+    cfg, rows = r["config"], r["rows"]
+    memory = [x for x in rows if x["kind"] == "memory"]
+    one = next(x for x in memory if x["cp"] == 1)
+    lines = [
+        f"The GPT (hidden {cfg['model']['hidden']}, {cfg['model']['heads']} heads, "
+        f"{cfg['model']['layers']} layers), batch 1. Activations saved for backward per rank",
+        f"(saved-tensor hooks, parameters excluded) at {cfg['seq']} tokens, and the longest "
+        f"sequence whose saved activations fit {cfg['cap_mib']} MiB per rank:",
+        "",
+    ]
+    body = [
+        [
+            str(x["cp"]),
+            f"{x['saved_bytes'] / 2**20:.1f}",
+            f"{x['saved_bytes'] / one['saved_bytes']:.2f}x",
+            str(x["longest_seq"]),
+            f"{x['longest_seq'] / one['longest_seq']:.2f}x",
+        ]
+        for x in memory
+    ]
+    lines += table(
+        ["cp", "MiB saved per rank", "/ one process", "longest sequence", "/ one process"],
+        body,
+    )
+    steps = [x for x in rows if x["kind"] == "step"]
+    if steps:
+        ring = next(x for x in steps if "ring" in x["system"])
+        lines += [
+            f"A training step (forward and backward) at {cfg['seq']} tokens, interleaved rounds;",
+            "ratios are ring attention's time over each system's:",
+            "",
+        ]
+        lines += table(
+            ["system", "ms per step", "ring cp 2 / this"],
+            [[x["system"], t(x["step_s"], 1e3), ratio(ring["step_s"], x["step_s"])] for x in steps],
+        )
+    torch_cp = next((x for x in rows if x["kind"] == "torch_context_parallel"), None)
+    if torch_cp is not None:
+        lines += [
+            "torch's `context_parallel` on the same model and processes: "
+            + ("ran." if torch_cp["ran"] else f"did not run ({torch_cp['error']})."),
             "",
         ]
     return lines
@@ -569,6 +618,7 @@ SECTIONS = [
     ("hybrid", "Hybrid layouts of the GPT job", "hybrid.py", _hybrid),
     ("models", "Llama and DeepSeek-V3", "models.py", _models),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
+    ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
     ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
     ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
     ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),

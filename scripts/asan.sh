@@ -3,7 +3,8 @@
 # UndefinedBehaviorSanitizer and runs a chosen part of the pytest suite on
 # it, in real processes: collectives, point-to-point (cancelled receives,
 # killed peers, bounded unexpected messages), DDP, ZeRO, every pipeline
-# schedule with its failure paths, MoE. Any report fails the run.
+# schedule with its failure paths, MoE, context-parallel attention. Any
+# report fails the run.
 #
 # The instrumented extension goes into a package of its own under
 # build/asan (the installed one is untouched); the tests run from there, so
@@ -43,4 +44,4 @@ PIPELINE+=" or interleaved_1f1b-2-4-4 or zb1p-2-4-8 or zbv-2-4-8 or dualpipev-3-
   "$T/test_collectives.py" "$T/test_faults.py" "$T/test_review_holes.py" \
   "$T/test_groups_async.py" "$T/test_ddp.py" "$T/test_moe.py" \
   "$T/test_zero.py::test_adamw_with_clipping_equals_one_process_and_torch_zero" \
-  "$T/test_pipeline.py" -k "not torchrun and not plot and not cuda and not gpu and (not test_pipeline or $PIPELINE)"
+  "$T/test_pipeline.py" "$T/test_context_parallel.py" -k "not torchrun and not plot and not cuda and not gpu and (not test_pipeline or $PIPELINE)"
