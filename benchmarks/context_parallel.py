@@ -15,6 +15,9 @@ The GPT of the training job, wider (hidden 256, 8 heads, 4 layers), batch 1:
   as the baseline (Megatron's ``all_gather`` variant: every rank gathers
   the whole keys and values, then attends its queries to them), in
   interleaved rounds;
+- what ring attention's transfers cost: the ring op's time outside its
+  kernels (waiting at the exchanges, copying) against the same messages
+  sent around the ring alone;
 - torch's own ``context_parallel`` on the same model, where it runs.
 """
 
@@ -155,6 +158,63 @@ def _stepper(rank, world, args, mode):
     return serve
 
 
+def _ring_overlap(rank, world, args):
+    """What the ring's communication costs in one layer's attention at
+    --seq tokens, forward and backward: the time the ring op spends outside
+    its kernels (its self time in the profiler: waiting at the exchanges,
+    copying) against the time of the same messages sent around the ring
+    with nothing else to do."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import dsparallel
+    from dsparallel.context_parallel import ring_attention
+
+    torch.set_num_threads(1)
+    cp = dsparallel.init_parallel(context_parallel_size=world).cp_group
+    heads, dim = MODEL["heads"], MODEL["hidden"] // MODEL["heads"]
+    shape = (1, heads, args["seq"] // world, dim)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    reps = 5
+
+    def attention():
+        out = ring_attention(q, k, v, cp, causal=True)
+        out.backward(torch.ones_like(out))
+
+    attention()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            attention()
+    ring = [e for e in prof.key_averages() if "ring_attention" in e.key or "RingAttention" in e.key]
+    outside = sum(e.self_cpu_time_total for e in ring) / reps / 1e6
+    inside = sum(e.cpu_time_total for e in ring) / reps / 1e6
+    # The messages alone: keys and values C - 1 hops forward and backward,
+    # their gradients C hops.
+    block = torch.empty(2, *shape)
+    received = torch.empty_like(block)
+    nxt, prev = (cp.rank() + 1) % world, (cp.rank() - 1) % world
+
+    def messages():
+        for _ in range(3 * world - 2):
+            r = dist.irecv(received, group=cp, group_src=prev)
+            s = dist.isend(block, group=cp, group_dst=nxt)
+            r.wait()
+            s.wait()
+
+    messages()
+    dist.barrier(group=cp)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        messages()
+    alone = (time.perf_counter() - t0) / reps
+    t = torch.tensor([outside, inside, alone])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dsparallel.destroy_parallel()
+    outside, inside, alone = t.tolist()
+    return {"ring_op_s": inside, "outside_kernels_s": outside, "messages_alone_s": alone}
+
+
 def _torch_context_parallel(rank, world, args):
     """torch's context_parallel around the one-process GPT's forward and
     backward (its SDPA dispatcher patched), cp over the whole world."""
@@ -221,6 +281,13 @@ def main():
     for name, per_round in samples.items():
         rows.append({"kind": "step", "system": name, "step_s": round_stats(per_round)})
         print(f"{name}: {statistics.median(sum(per_round, [])) * 1e3:.0f} ms per step")
+    overlap = run_ranks(_ring_overlap, 2, args)
+    rows.append({"kind": "ring_overlap", "cp": 2, **overlap})
+    print(
+        "ring cp 2, one layer's attention forward and backward: {ring_op_s:.4f} s, of which "
+        "{outside_kernels_s:.4f} s outside the kernels; the same messages alone "
+        "{messages_alone_s:.4f} s".format(**overlap)
+    )
     torch_cp = run_ranks(_torch_context_parallel, 2, args)
     rows.append({"kind": "torch_context_parallel", **torch_cp})
     print("torch context_parallel:", torch_cp)

@@ -532,6 +532,19 @@ def _context_parallel(r):
             ["system", "ms per step", "ring cp 2 / this"],
             [[x["system"], t(x["step_s"], 1e3), ratio(ring["step_s"], x["step_s"])] for x in steps],
         )
+    overlap = next((x for x in rows if x["kind"] == "ring_overlap"), None)
+    if overlap is not None:
+        op, alone = overlap["ring_op_s"], overlap["messages_alone_s"]
+        lines += [
+            f"Ring attention at cp {overlap['cp']}, one layer's attention forward and backward: "
+            f"{op * 1e3:.1f} ms, of which {overlap['outside_kernels_s'] * 1e3:.1f} ms outside "
+            "its kernels (waiting at the exchanges for the other rank, copying). The same "
+            f"messages sent around the ring alone take {alone * 1e3:.2f} ms, {alone / op:.1%} "
+            "of the op: on one host the transfers are shared-memory copies too small to be "
+            "worth hiding; the time outside the kernels is the ranks waiting for each other "
+            "at each step, which no overlap removes.",
+            "",
+        ]
     torch_cp = next((x for x in rows if x["kind"] == "torch_context_parallel"), None)
     if torch_cp is not None:
         lines += [
