@@ -112,6 +112,7 @@ class ParallelAttention(nn.Module):
         self.num_heads_per_partition = mha.num_heads // size
         self.causal = causal
         self.dropout = mha.dropout
+        self.cp_group, self.cp_mode = None, "ring"  # _set_context_parallel may change it
         h, local = self.hidden_size, self.hidden_size // size
         # Reorder the rows of [q; k; v] to [q_0; k_0; v_0; q_1; ...] so that the
         # column split hands each rank its own heads of q, k and v.
@@ -137,7 +138,7 @@ class ParallelAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.num_heads_per_partition, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        if getattr(self, "cp_group", None) is not None:
+        if self.cp_group is not None:
             if attn_mask is not None:
                 raise ValueError("ParallelAttention: context parallelism takes no attn_mask")
             attend = ring_attention if self.cp_mode == "ring" else ulysses_attention
