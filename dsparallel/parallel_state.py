@@ -12,12 +12,14 @@ groups of tensor-parallel ranks hold different parts of the same sequences
 gradients are reduced over dp x cp: ``dp_cp_group`` (the data-parallel
 group itself when C is 1), which DDP and ZeRO take.
 
-With ``expert_parallel_size=E`` the data-parallel dimension is also read as
-(edp, ep): E consecutive data-parallel ranks form an expert-parallel group
-(they split the routed experts of a mixture-of-experts layer between them),
-and the ranks at the same place in each such group form the expert
-data-parallel group, over which expert gradients are reduced (as Megatron
-and DeepSpeed lay them out).
+With ``expert_parallel_size=E`` the data-parallel dimension (dp x cp with
+context parallelism: for the experts, whose tokens are any tokens, cp ranks
+are data-parallel ranks) is also read as (edp, ep): E consecutive such
+ranks form an expert-parallel group (they split the routed experts of a
+mixture-of-experts layer between them), and the ranks at the same place in
+each such group form the expert data-parallel group, over which expert
+gradients are reduced (as Megatron and DeepSpeed lay them out, Megatron
+also across cp).
 """
 
 from __future__ import annotations
@@ -102,16 +104,17 @@ def init_parallel(
         )
     dp = world // (tp * pp * cp)
     ep = expert_parallel_size
-    if ep > 1 and cp > 1:
+    if (dp * cp) % ep:
+        if cp == 1:
+            over = f"data-parallel size ({dp} = world {world} / (tp {tp} x pp {pp}))"
+        else:
+            over = (
+                f"data-parallel x context-parallel size ({dp} x {cp} = {dp * cp}; dp = world "
+                f"{world} / (tp {tp} x pp {pp} x cp {cp}))"
+            )
         raise ValueError(
-            "init_parallel: expert_parallel_size and context_parallel_size cannot both be "
-            "above 1 yet"
-        )
-    if dp % ep:
-        raise ValueError(
-            f"init_parallel: expert_parallel_size ({ep}) must divide the data-parallel size "
-            f"({dp} = world {world} / (tp {tp} x pp {pp})): expert-parallel groups are carved "
-            "out of the data-parallel ranks"
+            f"init_parallel: expert_parallel_size ({ep}) must divide the {over}: "
+            "expert-parallel groups are carved out of those ranks"
         )
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() != "dsp" else "cpu"
     if cp == 1:
@@ -144,7 +147,7 @@ def init_parallel(
         )
     if ep > 1:
         experts = init_device_mesh(
-            device, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")
+            device, (pp, dp * cp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")
         )
         _state = dataclasses.replace(
             _state,

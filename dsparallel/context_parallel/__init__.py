@@ -13,10 +13,13 @@ of a ``cp`` group, attention computed across them.
   (``torch.ops.dsparallel.ulysses_all_to_all``).
 """
 
-from .attention import ring_attention, ulysses_attention
+from .attention import MODES, check_mode, context_attention, ring_attention, ulysses_attention
 from .layout import positions, shard_sequence, unshard_sequence
 
 __all__ = [
+    "MODES",
+    "check_mode",
+    "context_attention",
     "positions",
     "ring_attention",
     "shard_sequence",

@@ -3,7 +3,8 @@ and k, v [batch, kv heads, s, dim] holding this rank's ``s`` positions in
 the load-balanced layout (``shard_sequence``).
 
 Both equal ``scaled_dot_product_attention`` over the whole sequence, the
-output in the same layout. ``doc_ids`` [batch, s] (this rank's part, as
+output in the same layout. ``context_attention`` picks one by name, as the
+models' attention layers do. ``doc_ids`` [batch, s] (this rank's part, as
 the tokens) marks packed documents: a token attends only within its own.
 """
 
@@ -41,8 +42,50 @@ def ring_attention(
 ) -> torch.Tensor:
     """Ring attention: this rank's queries against every rank's keys and
     values, which travel the ring; C steps, each attending one block and
-    passing it on (``csrc/ops/context_parallel.cpp``)."""
-    return torch.ops.dsparallel.ring_attention(q, k, v, group.group_name, causal, doc_ids, scale)
+    passing it on (``csrc/ops/context_parallel.cpp``). Values may have
+    another head dim than queries and keys (DeepSeek's latent attention):
+    the flash kernel the op runs takes one, so the narrower side is padded
+    with zeros, which change neither the scores nor the output's own
+    dims, and the output is cut back."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim < qk_dim:
+        v = F.pad(v, (0, qk_dim - v_dim))
+    elif v_dim > qk_dim:
+        scale = qk_dim**-0.5 if scale is None else scale
+        q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
+    out = torch.ops.dsparallel.ring_attention(q, k, v, group.group_name, causal, doc_ids, scale)
+    return out[..., :v_dim] if v_dim < qk_dim else out
+
+
+MODES = ("ring", "ulysses")
+
+
+def check_mode(mode: str, heads: int, size: int, who: str) -> None:
+    """Refuses (alike on every rank) a ``cp_mode`` that is not one of
+    ``MODES``, and Ulysses over a group that does not divide the
+    ``heads`` a rank holds."""
+    if mode not in MODES:
+        raise ValueError(f"{who}: cp_mode must be 'ring' or 'ulysses', got {mode!r}")
+    if mode == "ulysses" and heads % size:
+        raise ValueError(
+            f"{who}: Ulysses splits this rank's {heads} heads over the {size} context-parallel "
+            "ranks: they are not divisible (use cp_mode='ring')"
+        )
+
+
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    mode: str,
+    causal: bool = True,
+    doc_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``ring_attention`` or ``ulysses_attention``, as ``mode`` names."""
+    attend = ring_attention if mode == "ring" else ulysses_attention
+    return attend(q, k, v, group, causal=causal, doc_ids=doc_ids, scale=scale)
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, size: int) -> int:

@@ -27,8 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import context_parallel
 from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
+from ..context_parallel import check_mode
 from .gpt import stage_blocks
 from .hf_config import read_config
 from .hf_map import initial_value, materialize, rows, specs_of, split
@@ -70,13 +72,16 @@ class CausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         checkpoint: bool = False,
         sequence_parallel: bool = False,
+        cp_mode: str = "ring",
         _initialize: bool = True,
     ):
         super().__init__()
         cfg = read_config(config, self.model_type, self.defaults)
         self.config = cfg
         lay = Layout.of(state)
-        self.layout = lay = dataclasses.replace(lay, sp=sequence_parallel and lay.tp_size > 1)
+        self.layout = lay = dataclasses.replace(
+            lay, sp=sequence_parallel and lay.tp_size > 1, cp_mode=cp_mode
+        )
         self.checkpoint = checkpoint
         self.check(cfg)
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
@@ -91,6 +96,9 @@ class CausalLM(nn.Module):
             self.embed_tokens.hf_specs = {"weight": rows(embed_key, (vocab, hidden), r, n)}
         blocks = stage_blocks(cfg.num_hidden_layers, lay.pp_rank, lay.pp_size)
         self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in blocks})
+        check_mode(
+            cp_mode, cfg.num_attention_heads // lay.tp_size, lay.cp_size, type(self).__name__
+        )
         # Parameters another stage also holds and saves (a tied LM head).
         self._copies: set[str] = set()
         self._tied_group = None
@@ -145,7 +153,14 @@ class CausalLM(nn.Module):
         right padding), ``position_ids`` by default 0..seq-1. The logits
         are gathered over tensor parallelism only when returned
         (``return_logits``, by default when no labels are given); the loss
-        never needs them gathered."""
+        never needs them gathered.
+
+        Under context parallelism every rank of a cp group is given the
+        same whole sequences (as the ranks of a tensor-parallel group are)
+        and takes its part of them (``context_parallel.shard_sequence``);
+        the loss is the mean over the whole sequences on every rank, and
+        returned logits are gathered whole, without a gradient (for
+        evaluation)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape
@@ -157,19 +172,38 @@ class CausalLM(nn.Module):
                 )
         if return_logits is None:
             return_logits = labels is None
-        if self.layout.sp and s % self.layout.tp_size:
-            raise ValueError(
-                f"sequence parallelism splits the sequence over {self.layout.tp_size} ranks: "
-                f"its length {s} must be a multiple of that"
-            )
+        lay = self.layout
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
-        mask = attention_mask_for(attention_mask, s)
-        if self.layout.pp_size == 1:
+        if lay.cp_size > 1:
+            input_ids, position_ids, mask = self._shard(input_ids, position_ids, attention_mask)
+        else:
+            mask = attention_mask_for(attention_mask, s)
+        local = input_ids.shape[1]
+        if lay.sp and local % lay.tp_size:
+            raise ValueError(
+                f"sequence parallelism splits the sequence over {lay.tp_size} ranks: "
+                f"its length {local} (this rank's part under context parallelism) must be a "
+                "multiple of that"
+            )
+        if lay.pp_size == 1:
             h = self.run_layers(self.embed(input_ids), position_ids, mask)
             return self._output(h, labels, return_logits)
         with torch.no_grad():
             return self._pipelined(input_ids, labels, position_ids, mask, return_logits)
+
+    def _shard(self, input_ids, position_ids, attention_mask):
+        """This rank's part of the tokens, their positions and their
+        attention mask under context parallelism (the mask as document
+        ids: ``layers.attend``)."""
+        group = self.layout.cp_group
+        b, s = input_ids.shape
+        ids = context_parallel.shard_sequence(input_ids, group)
+        position_ids = context_parallel.shard_sequence(position_ids.expand(-1, s), group)
+        mask = None
+        if attention_mask is not None:
+            mask = context_parallel.shard_sequence(attention_mask, group)
+        return ids, position_ids, mask
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] ids -> [seq (/tp), batch, hidden], this rank's part
@@ -200,10 +234,28 @@ class CausalLM(nn.Module):
         """Next-token cross entropy of vocabulary-parallel logits [seq, batch,
         vocab / tp] against labels [batch, seq]: position t predicts
         labels[t + 1], -100 ignored, mean over the rest."""
-        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].t()
-        return tp.vocab_parallel_cross_entropy(
-            logits, shifted, group=self.layout.tp_group, ignore_index=IGNORE_INDEX
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        lay = self.layout
+        if lay.cp_size == 1:
+            return tp.vocab_parallel_cross_entropy(
+                logits, shifted.t(), group=lay.tp_group, ignore_index=IGNORE_INDEX
+            )
+        # Context parallelism: the logits are this rank's positions, the
+        # labels (shifted above) the whole sequences'. The value is the mean
+        # over the whole sequences, the same on every rank of the group (one
+        # all-reduce of a scalar); the gradient is C times this rank's share
+        # of it, so that averaging gradients over dp x cp (DDP over
+        # dp_cp_group) gives the gradient of the whole sequences' mean.
+        count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
+        mine = context_parallel.shard_sequence(shifted, lay.cp_group).t()
+        total = tp.vocab_parallel_cross_entropy(
+            logits, mine, group=lay.tp_group, ignore_index=IGNORE_INDEX, reduction="sum"
         )
+        share = total * lay.cp_size / count
+        mean = total.detach().clone()
+        dist.all_reduce(mean, group=lay.cp_group)
+        mean /= count
+        return share + (mean - share).detach()
 
     def _output(self, h, labels, return_logits) -> CausalLMOutput:
         local = self.vocab_parallel_logits(h)
@@ -217,6 +269,8 @@ class CausalLM(nn.Module):
                 if lay.tp_size == 1
                 else tp.gather_from_tensor_parallel_region(local, lay.tp_group)
             )
+            if lay.cp_size > 1:
+                logits = context_parallel.unshard_sequence(logits, lay.cp_group, dim=0)
             out.logits = logits.transpose(0, 1)
         return out
 
@@ -255,6 +309,11 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> dict:
         """This stage's KV cache: each layer's ``new_cache``."""
+        if self.layout.cp_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}: generation under context parallelism is not supported: "
+                "build the model for generation without context_parallel_size"
+            )
         return {
             i: layer.self_attn.new_cache(batch, length, dtype) for i, layer in self.layers.items()
         }
@@ -269,7 +328,9 @@ class CausalLM(nn.Module):
         its input is the token ids (first stage) or the previous stage's
         hidden states, its output the hidden states or, on the last stage,
         the vocabulary-parallel logits for ``loss_fn``. Causal attention
-        without padding, positions 0..seq-1. ``wrap`` wraps the stage's
+        without padding, positions 0..seq-1. Under context parallelism the
+        first stage takes the whole sequences' ids, as ``loss_fn`` their
+        whole labels; the stages pass on this rank's part. ``wrap`` wraps the stage's
         module (``wrap=DistributedDataParallel`` for data parallelism)."""
         from ..pipeline import PipelineStage
 
@@ -375,11 +436,16 @@ class _Stage(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model
+        m, lay = self.model, self.model.layout
+        if m.is_first and lay.cp_size > 1:  # the whole sequences' ids
+            x = context_parallel.shard_sequence(x, lay.cp_group)
         h = m.embed(x) if m.is_first else x
-        seq = h.shape[0] * (m.layout.tp_size if m.layout.sp else 1)
-        positions = torch.arange(seq, device=h.device).unsqueeze(0)
-        h = m.run_layers(h, positions, None)
+        seq = h.shape[0] * (lay.tp_size if lay.sp else 1)
+        if lay.cp_size == 1:
+            positions = torch.arange(seq, device=h.device)
+        else:
+            positions = context_parallel.positions(seq * lay.cp_size, lay.cp_group, h.device)
+        h = m.run_layers(h, positions.unsqueeze(0), None)
         return m.vocab_parallel_logits(h) if m.is_last else h
 
 

@@ -40,7 +40,7 @@ from ..moe.ops import Plan, combine, dispatch
 from .causal_lm import CausalLM
 from .hf_config import rope_frequencies, softmax_scale
 from .hf_map import Cat, Stack, cols, rows, whole
-from .layers import Layout, RMSNorm, Rotary, SwiGLU, check_split
+from .layers import Layout, RMSNorm, Rotary, SwiGLU, attend, check_split
 
 
 class MLA(nn.Module):
@@ -143,9 +143,7 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and s > 1, scale=self.scale
-        )
+        out = attend(q, k, v, mask, lay, self.scale)
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, cache):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import tensor_parallel as tp
+from ..context_parallel import context_attention
 from .hf_map import Cat, cols, rows, whole
 
 
@@ -52,6 +53,12 @@ class Layout:
     ep_size: int = 1
     ep_rank: int = 0
     mesh: object = None
+    # Context parallelism: each rank holds its part of every sequence
+    # (dsparallel.context_parallel's load-balanced layout); attention runs
+    # across the group as cp_mode says.
+    cp_group: dist.ProcessGroup | None = None
+    cp_size: int = 1
+    cp_mode: str = "ring"
     # Sequence parallelism (Megatron's): outside the tensor-parallel regions
     # each rank holds 1/tp of the sequence; only with tp > 1.
     sp: bool = False
@@ -71,6 +78,8 @@ class Layout:
             ep_size=state.ep_size,
             ep_rank=state.ep_rank,
             mesh=state.mesh,
+            cp_group=state.cp_group,
+            cp_size=state.cp_size,
         )
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +100,29 @@ class Layout:
         """A weight every rank holds whole: under sequence parallelism each
         rank applies it to its own tokens, so its gradient is all-reduced."""
         return self.copy_to(w) if self.sp else w
+
+
+def attend(q, k, v, mask, layout: Layout, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q [batch, heads, s, dim] over k, v [batch, kv
+    heads, s, dim] (grouped-query when fewer). ``mask``: what the model's
+    forward made of the attention mask: the boolean [batch, 1, s, keys]
+    mask (None: plain causal) in one process; under context parallelism
+    this rank's part of the attention mask [batch, s] itself, read as
+    document ids (a token attends to the earlier tokens of its own kind:
+    kept tokens to kept tokens)."""
+    if layout.cp_size > 1:
+        return context_attention(
+            q, k, v, layout.cp_group, layout.cp_mode, doc_ids=mask, scale=scale
+        )
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and q.shape[2] > 1,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
 
 
 def check_split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> None:

@@ -27,7 +27,7 @@ from .. import tensor_parallel as tp
 from .causal_lm import CausalLM
 from .hf_config import rope_frequencies
 from .hf_map import Cat, cols, rows, whole
-from .layers import Layout, RMSNorm, Rotary, SwiGLU, check_split
+from .layers import Layout, RMSNorm, Rotary, SwiGLU, attend, check_split
 
 
 class LlamaAttention(nn.Module):
@@ -109,14 +109,7 @@ class LlamaAttention(nn.Module):
             slot["k"][:, :, start : start + s] = k
             slot["v"][:, :, start : start + s] = v
             k, v = slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and s > 1,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        out = attend(q, k, v, mask, lay)
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..context_parallel import ring_attention, ulysses_attention
+from ..context_parallel import check_mode, context_attention
 from .group import check_divisible, resolve_group, set_up_from
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .random import get_rng_tracker
@@ -58,20 +58,12 @@ class ParallelAttention(nn.Module):
 
     def _set_context_parallel(self, group, mode: str, dropout: float) -> None:
         """Checks, on every rank alike, what context parallelism needs."""
-        if mode not in ("ring", "ulysses"):
-            raise ValueError(
-                f"ParallelAttention: cp_mode must be 'ring' or 'ulysses', got {mode!r}"
-            )
-        if group is not None and group.size() > 1:
+        size = 1 if group is None else group.size()
+        check_mode(mode, self.num_heads_per_partition, size, "ParallelAttention")
+        if size > 1:
             if dropout:
                 raise ValueError(
                     "ParallelAttention: context parallelism takes no attention dropout"
-                )
-            heads, size = self.num_heads_per_partition, group.size()
-            if mode == "ulysses" and heads % size:
-                raise ValueError(
-                    f"ParallelAttention: Ulysses splits this rank's {heads} heads over the "
-                    f"{size} context-parallel ranks: they are not divisible (use cp_mode='ring')"
                 )
         else:
             group = None
@@ -141,8 +133,7 @@ class ParallelAttention(nn.Module):
         if self.cp_group is not None:
             if attn_mask is not None:
                 raise ValueError("ParallelAttention: context parallelism takes no attn_mask")
-            attend = ring_attention if self.cp_mode == "ring" else ulysses_attention
-            out = attend(q, k, v, self.cp_group, causal=self.causal)
+            out = context_attention(q, k, v, self.cp_group, self.cp_mode, causal=self.causal)
             return self.proj(out.transpose(1, 2).reshape(b, s, -1))
         dropout = self.dropout if self.training else 0.0
         is_causal = self.causal

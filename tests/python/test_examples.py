@@ -118,3 +118,47 @@ def test_moe_example_learns_and_keeps_replicas_equal():
     first, last = (float(v) for v in done.split("loss ")[1].split(";")[0].split(" -> "))
     assert last < first - 1.0, done
     assert "dense parameters agree across ranks" in done
+
+
+def _done(out: str) -> tuple[float, float]:
+    done = next(line for line in out.splitlines() if line.startswith("done:"))
+    first, last = (float(v) for v in done.split("loss ")[1].split(" over")[0].split(" -> "))
+    return first, last
+
+
+def test_train_hf_learns_under_context_parallelism_and_resumes_at_another_layout(tmp_path):
+    """Llama at tp 2 x cp 2 (ring) learns and saves; the checkpoint resumes
+    at pp 2 x cp 2 (Ulysses); DeepSeek-V3 at ep 2 x cp 2 with ZeRO 1 learns
+    (that every layout equals one process: test_models.py)."""
+    save = tmp_path / "out"
+    args = ("--steps", "12", "--seq-len", "32")
+    out = _launch(
+        "train_hf.py",
+        *args,
+        "--tensor-parallel",
+        "2",
+        "--context-parallel",
+        "2",
+        "--save",
+        str(save),
+        nproc=4,
+    )
+    first, last = _done(out)
+    assert last < first - 1.0, out
+    assert (save / "hf" / "config.json").exists() and (save / "train" / "step.json").exists()
+    out = _launch(
+        "train_hf.py",
+        *("--model", str(save / "hf"), "--resume", str(save / "train"), "--steps", "2"),
+        *("--seq-len", "32", "--pipeline-parallel", "2", "--context-parallel", "2"),
+        *("--cp-mode", "ulysses"),
+        nproc=4,
+    )
+    assert "step 13: loss" in out and _done(out)[0] < first - 1.0, out
+    out = _launch(
+        "train_hf.py",
+        *("--model", "deepseek_v3", "--expert-parallel", "2", "--context-parallel", "2"),
+        *("--zero-stage", "1", *args),
+        nproc=4,
+    )
+    first, last = _done(out)
+    assert last < first - 1.0, out

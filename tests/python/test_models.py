@@ -246,6 +246,87 @@ def test_hf_models_match_transformers_at_every_layout(reference, tmp_path, tp, p
             assert t.dtype == ours[key].dtype and torch.equal(t, ours[key]), key
 
 
+def _context_parallel_body(rank, world, tp, pp, ep, cp, mode, sp, ref_path):
+    import dsparallel
+    from dsparallel.models import from_pretrained
+    from dsparallel.pipeline import Schedule1F1B
+
+    ref = torch.load(ref_path)
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
+    ids, mask = ref["ids"], ref["mask"]
+    errors = {}
+    for kind, path in ref["dirs"].items():
+        if ep > 1 and kind != "deepseek":
+            continue
+        model = from_pretrained(path, state, cp_mode=mode, sequence_parallel=sp)
+        # The padded batch: the attention mask travels as document ids.
+        out = model(ids, attention_mask=mask)
+        if model.is_last:
+            keep = mask.bool()
+            errors[f"{kind} logits"] = (out.logits - ref["logits"][kind])[keep].abs().max().item()
+
+        def ddp(m):
+            return dsparallel.DistributedDataParallel(m, process_group=state.dp_cp_group)
+
+        if pp == 1:
+            runner = ddp(model)  # kept: its reducer reduces in backward
+            loss = runner(ids, labels=ids).loss
+            loss.backward()
+        else:
+            schedule = Schedule1F1B(
+                model.pipeline_stage(wrap=ddp), n_microbatches=2, loss_fn=model.loss_fn
+            )
+            losses = []
+            if model.is_first:
+                schedule.step(ids)
+            else:
+                schedule.step(target=ids, losses=losses)
+            loss = torch.stack(losses).mean() if losses else None
+            model.allreduce_tied_grads()
+        if loss is not None:
+            errors[f"{kind} loss"] = abs(loss.item() - ref["loss"][kind].item())
+        grads = model.hf_state_dict(grads=True)
+        assert grads.keys() == ref["grads"][kind].keys()
+        for key, g in grads.items():
+            torch.testing.assert_close(
+                g, ref["grads"][kind][key], **GRAD_TOL, msg=f"{kind}: gradient of {key}"
+            )
+    dsparallel.destroy_parallel()
+    return errors
+
+
+CP_LAYOUTS = [
+    # (tp, pp, ep, cp, cp_mode, sequence parallel): world = tp * pp * cp
+    (1, 1, 1, 2, "ring", False),
+    (2, 1, 1, 2, "ulysses", True),
+    (1, 2, 1, 2, "ring", False),
+    (1, 1, 2, 2, "ring", False),
+]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,ep,cp,mode,sp",
+    CP_LAYOUTS,
+    ids=[f"tp{t}-pp{p}-ep{e}-cp{c}-{m}{'-sp' * s}" for t, p, e, c, m, s in CP_LAYOUTS],
+)
+def test_hf_models_under_context_parallelism_match_transformers(
+    reference, tp, pp, ep, cp, mode, sp
+):
+    """Every rank of a cp group is given the whole batch and takes its part
+    of each sequence: the logits of the padded batch, the loss and every
+    gradient (averaged by our DDP over dp x cp) are those of
+    ``transformers`` on the whole sequences. With ep the experts are split
+    over the cp ranks."""
+    ref, ref_path = reference
+    errors = run_ranks(
+        _context_parallel_body, tp * pp * cp, tp, pp, ep, cp, mode, sp, ref_path, timeout=240
+    )
+    for rank_errors in errors:
+        for what, err in rank_errors.items():
+            assert err < (LOGITS_TOL if "logits" in what else 1e-5), f"{what} differ by {err}"
+    assert any("loss" in k for e in errors for k in e)
+
+
 def _tensors(path: str) -> dict:
     from safetensors.torch import load_file
 
@@ -355,12 +436,27 @@ def _bad_layout_body(rank, world):
         assert "n_routed_experts=6" in str(e) and "expert-parallel size 4" in str(e), str(e)
         errors.append(str(e))
     dsparallel.destroy_parallel()
+    # Context parallelism: Ulysses over more ranks than heads; a sequence
+    # that is not a multiple of 2 x cp.
+    state = dsparallel.init_parallel(1, 1, context_parallel_size=4)
+    try:
+        Llama(dict(LLAMA, num_attention_heads=2, model_type="llama"), state, cp_mode="ulysses")
+    except ValueError as e:
+        assert "2 heads over the 4 context-parallel ranks" in str(e), str(e)
+        errors.append(str(e))
+    model = Llama(dict(LLAMA, model_type="llama"), state)
+    try:
+        model(torch.zeros(2, 12, dtype=torch.long))
+    except ValueError as e:
+        assert "12 tokens" in str(e) and "multiple of 2 x 4 = 8" in str(e), str(e)
+        errors.append(str(e))
+    dsparallel.destroy_parallel()
     return errors
 
 
 def test_a_layout_that_cannot_split_the_model_is_refused_on_every_rank():
     for errors in run_ranks(_bad_layout_body, 4, timeout=120):
-        assert len(errors) == 4, errors
+        assert len(errors) == 6, errors
 
 
 def _bad_checkpoints_body(rank, world, paths):
@@ -432,16 +528,18 @@ def _batches():
     return list((starts + 3 * torch.arange(SEQ)) % 96)
 
 
-def _trainer(path, tp, pp, ep, zero, recompute=False):
+def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False):
     """(model, step function) at one layout, fp64 (so that layouts differ
     by rounding only), AdamW, ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's
-    FSDP2 over the data-parallel ranks, per decoder layer and the root)."""
+    FSDP2 over the data-parallel ranks, per decoder layer and the root),
+    context parallelism ``cp`` (gradients reduced over dp x cp)."""
     import dsparallel
     from dsparallel.models import from_pretrained
     from dsparallel.pipeline import Schedule1F1B
 
-    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
-    model = from_pretrained(path, state, dtype=torch.float64, checkpoint=recompute)
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
+    model = from_pretrained(path, state, dtype=torch.float64, checkpoint=recompute, cp_mode=cp_mode)
+    replicas = state.dp_cp_group
     if zero == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -452,11 +550,11 @@ def _trainer(path, tp, pp, ep, zero, recompute=False):
 
     def wrap(m):
         return dsparallel.DistributedDataParallel(
-            m, process_group=state.dp_group, zero_stage=2 if zero == 2 else 0
+            m, process_group=replicas, zero_stage=2 if zero == 2 else 0
         )
 
     fsdp = hasattr(model, "unshard")
-    runner = model if fsdp or (state.dp_size == 1 and zero < 2) else None
+    runner = model if fsdp or (replicas.size() == 1 and zero < 2) else None
     schedule = None
     if pp > 1:
         stage = model.pipeline_stage(wrap=None if runner is model else wrap)
@@ -466,7 +564,7 @@ def _trainer(path, tp, pp, ep, zero, recompute=False):
     params = [p for p in model.parameters() if p.requires_grad]
     if zero:
         opt = dsparallel.ZeroRedundancyOptimizer(
-            params, torch.optim.AdamW, process_group=state.dp_group, lr=1e-2
+            params, torch.optim.AdamW, process_group=replicas, lr=1e-2
         )
     else:
         opt = torch.optim.AdamW(params, lr=1e-2)
@@ -514,11 +612,13 @@ def _resume_body(rank, world, path, before, after, ckpt):
 
 
 RESUMES = [
-    # (model, (tp, pp, ep, zero) saved, (tp, pp, ep, zero) loaded), 4 processes
+    # (model, (tp, pp, ep, zero[, cp, cp_mode]) saved, ... loaded), 4 processes
     ("llama", (2, 2, 1, 1), (1, 1, 1, 2)),
     ("llama", (1, 1, 1, 2), (4, 1, 1, 0)),
     ("llama_tied", (1, 2, 1, 1), (2, 1, 1, 2)),
     ("deepseek", (2, 1, 2, 1), (1, 2, 1, 0)),
+    ("llama", (2, 1, 1, 2, 2, "ulysses"), (1, 2, 1, 0, 2, "ring")),
+    ("deepseek", (1, 1, 2, 1, 2, "ring"), (2, 1, 1, 0)),
 ]
 
 
