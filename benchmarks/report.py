@@ -535,16 +535,28 @@ def _context_parallel(r):
     overlap = next((x for x in rows if x["kind"] == "ring_overlap"), None)
     if overlap is not None:
         op, alone = overlap["ring_op_s"], overlap["messages_alone_s"]
-        lines += [
+        waits = overlap.get("waits_s")
+        lines.append(
             f"Ring attention at cp {overlap['cp']}, one layer's attention forward and backward: "
             f"{op * 1e3:.1f} ms, of which {overlap['outside_kernels_s'] * 1e3:.1f} ms outside "
-            "its kernels (waiting at the exchanges for the other rank, copying). The same "
-            f"messages sent around the ring alone take {alone * 1e3:.2f} ms, {alone / op:.1%} "
-            "of the op: on one host the transfers are shared-memory copies too small to be "
-            "worth hiding; the time outside the kernels is the ranks waiting for each other "
-            "at each step, which no overlap removes.",
-            "",
-        ]
+            "its kernels and their waits. The same messages sent around the ring alone take "
+            f"{alone * 1e3:.2f} ms, {alone / op:.1%} of the op."
+        )
+        if waits is not None:
+            least = min(waits)
+            lines.append(
+                "The op waits at its exchanges (`dsparallel::ring_wait`) "
+                + " and ".join(f"{w * 1e3:.1f}" for w in waits)
+                + f" ms on the two ranks: even the rank that waits least waits "
+                f"{least / alone:.0f}x what the transfers alone take. The waits are the ranks "
+                "waiting for each other: the load-balanced blocks have equal FLOPs but not "
+                "equal shapes, and the kernel's speed differs between them. On one host a "
+                "transfer is a shared-memory copy done by the ranks' own threads, so no share "
+                "of it can be hidden or told apart from that lag here; the op posts each "
+                "transfer before the block's attention (forward and backward) for backends "
+                "whose transfers progress on their own (gloo between hosts)."
+            )
+        lines.append("")
     torch_cp = next((x for x in rows if x["kind"] == "torch_context_parallel"), None)
     if torch_cp is not None:
         lines += [

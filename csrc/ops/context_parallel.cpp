@@ -29,6 +29,7 @@
 // The CPU flash attention kernel returns the log-sum-exp the merge needs and
 // takes grouped-query keys and values as they are.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -103,7 +104,11 @@ struct Ring {
   }
 };
 
+// Profiled as "dsparallel::ring_wait": the time the ring's transfers are
+// not hidden behind the attention (benchmarks/context_parallel.py).
 void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+  if (works.empty()) return;
+  RECORD_FUNCTION("dsparallel::ring_wait", std::vector<c10::IValue>());
   for (auto& w : works) w->wait();
   works.clear();
 }
@@ -189,6 +194,10 @@ std::tuple<at::Tensor, at::Tensor> ringForward(const Ring& ring, const at::Tenso
 }
 
 // The backward: dq, dk, dv, each block's gradients returned to its owner.
+// As in the forward, the next key/value block travels while this one's
+// gradients are computed; a block's gradients so far (dkv, from the ranks
+// that held it before) arrive during that computation too, and are only
+// needed after it, when this rank adds its part and passes them on.
 variable_list ringBackward(const Ring& ring, const at::Tensor& dout, const at::Tensor& q,
                            const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse,
@@ -197,17 +206,24 @@ variable_list ringBackward(const Ring& ring, const at::Tensor& dout, const at::T
   auto acc = q.options().dtype(accumulation(q));
   at::Tensor dq = at::zeros(q.sizes(), acc);
   at::Tensor kv = at::stack({k, v});
-  at::Tensor dkv = at::zeros(kv.sizes(), acc);
   auto backward = [&](const at::Tensor& g, const at::Tensor& qb, const at::Tensor& kb,
                       const at::Tensor& vb, const at::Tensor& ob, const at::Tensor& lb,
                       bool causal, const c10::optional<at::Tensor>& mask) {
     return at::_scaled_dot_product_flash_attention_for_cpu_backward(
         g, qb, kb, vb, ob, lb, 0.0, causal, mask, scale);
   };
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  at::Tensor dkv = at::zeros(kv.sizes(), acc);  // the held block's gradients so far
+  at::Tensor sending;  // the gradients in flight to the next rank
+  std::vector<c10::intrusive_ptr<c10d::Work>> kv_works, grad_works;
   for (int64_t step = 0; step < ring.g.size; ++step) {
     const int64_t src = ring.source(step);
+    at::Tensor kv_in;
+    if (step + 1 < ring.g.size) {
+      kv_in = at::empty_like(kv);
+      kv_works = ring.exchange(kv, kv_in, kTagKV + static_cast<int>(step));
+    }
     const at::Tensor kb = kv[0], vb = kv[1];
+    at::Tensor mine = at::zeros(kv.sizes(), acc);  // this rank's part of the block's gradients
     switch (ring.part(src)) {
       case Part::kAll:
       case Part::kCausal: {
@@ -215,8 +231,8 @@ variable_list ringBackward(const Ring& ring, const at::Tensor& dout, const at::T
         auto [gq, gk, gv] =
             backward(dout, q, kb, vb, out, lse, causal, ring.mask(src, q.scalar_type()));
         dq.add_(gq);
-        dkv[0].add_(gk);
-        dkv[1].add_(gv);
+        mine[0].copy_(gk);
+        mine[1].copy_(gv);
         break;
       }
       case Part::kFirstHalfOfKeys: {
@@ -224,8 +240,8 @@ variable_list ringBackward(const Ring& ring, const at::Tensor& dout, const at::T
             backward(dout, q, kb.narrow(2, 0, half), vb.narrow(2, 0, half), out, lse,
                      false, c10::nullopt);
         dq.add_(gq);
-        dkv[0].narrow(2, 0, half).add_(gk);
-        dkv[1].narrow(2, 0, half).add_(gv);
+        mine[0].narrow(2, 0, half).copy_(gk);
+        mine[1].narrow(2, 0, half).copy_(gv);
         break;
       }
       case Part::kSecondHalfOfQueries: {
@@ -233,26 +249,26 @@ variable_list ringBackward(const Ring& ring, const at::Tensor& dout, const at::T
                                      kb, vb, out.narrow(2, half, half),
                                      lse.narrow(2, half, half), false, c10::nullopt);
         dq.narrow(2, half, half).add_(gq);
-        dkv[0].add_(gk);
-        dkv[1].add_(gv);
+        mine[0].copy_(gk);
+        mine[1].copy_(gv);
         break;
       }
     }
-    if (ring.g.size == 1) break;
-    // The block moves on with its gradients so far; after the last step only
-    // the gradients make the final hop, to the block's owner.
-    at::Tensor grads_in = at::empty_like(dkv);
-    works = ring.exchange(dkv, grads_in, kTagGrad + static_cast<int>(step));
-    at::Tensor kv_in;
-    if (step + 1 < ring.g.size) {
-      kv_in = at::empty_like(kv);
-      auto more = ring.exchange(kv, kv_in, kTagKV + static_cast<int>(step));
-      works.insert(works.end(), more.begin(), more.end());
+    if (ring.g.size == 1) {
+      dkv = mine;
+      break;
     }
-    waitAll(works);
-    dkv = grads_in;
+    waitAll(grad_works);  // dkv now holds what the earlier holders added
+    dkv.add_(mine);
+    // The gradients move on with the block; after the last step they make
+    // the final hop, to the block's owner, and this rank's own arrive.
+    sending = dkv;
+    dkv = at::empty_like(sending);
+    grad_works = ring.exchange(sending, dkv, kTagGrad + static_cast<int>(step));
+    waitAll(kv_works);
     if (kv_in.defined()) kv = kv_in;
   }
+  waitAll(grad_works);
   return {dq.to(q.scalar_type()), dkv[0].to(k.scalar_type()), dkv[1].to(v.scalar_type())};
 }
 
