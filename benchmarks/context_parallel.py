@@ -137,7 +137,9 @@ def _stepper(rank, world, args, mode):
 
     torch.set_num_threads(2 if world == 1 else 1)
     if mode == "all_gather":
-        import dsparallel.tensor_parallel.attention as attention
+        # context_attention, which the attention layers call, reads the
+        # module's ring_attention at each call.
+        import dsparallel.context_parallel.attention as attention
 
         attention.ring_attention = _all_gather_attention
     _, module, forward = _model(world, "ring" if mode == "all_gather" else mode)
