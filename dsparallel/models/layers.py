@@ -98,8 +98,25 @@ class Layout:
 
     def shared(self, w: torch.Tensor) -> torch.Tensor:
         """A weight every rank holds whole: under sequence parallelism each
-        rank applies it to its own tokens, so its gradient is all-reduced."""
-        return self.copy_to(w) if self.sp else w
+        rank applies it to its own tokens, so its gradient is all-reduced.
+        The weight itself goes on (an alias): the copy map would clone it,
+        and the matmul would keep that clone for backward, a copy of the
+        weight per layer and micro-batch in flight."""
+        return _AllReduceGrad.apply(w, self.tp_group) if self.sp else w
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward (an alias of the input), all-reduce of the
+    gradient over the tensor-parallel group backward."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return tp.reduce_from_tensor_parallel_region(grad.contiguous(), ctx.group), None
 
 
 def attend(q, k, v, mask, layout: Layout, scale: float | None = None) -> torch.Tensor:

@@ -49,3 +49,77 @@ def held(module: torch.nn.Module, optimizer, ddps=()) -> ModelState:
         _nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     return ModelState(param_bytes, grads, state)
+
+
+class SavedTensors:
+    """Counts the bytes autograd keeps for backward while inside, from when
+    a tensor is saved to when autograd lets it go (after its backward), and
+    the peak over the body (under a pipeline schedule: the micro-batches in
+    flight). Parameters are left out; a storage counts once, by the span
+    its saved views reach (a batch's token ids sliced from a larger tensor
+    count as the slice)::
+
+        with SavedTensors(model) as saved:
+            schedule.step(...)
+        saved.peak
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None):
+        self._params = (
+            {p.untyped_storage().data_ptr() for p in module.parameters()} if module else set()
+        )
+        self._held: dict[int, list[int]] = {}  # storage -> [views saved, lo, hi]
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params or storage.nbytes() == 0:
+            return t
+        size = t.element_size()
+        lo = t.storage_offset() * size
+        span = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+        hi = min(storage.nbytes(), lo + (span + 1) * size) if t.numel() else lo
+        return _Held(self, t, key, lo, hi)
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _add(self, key: int, lo: int, hi: int) -> None:
+        entry = self._held.get(key)
+        if entry is None:
+            self._held[key] = [1, lo, hi]
+            self.live += hi - lo
+        else:
+            before = entry[2] - entry[1]
+            entry[0] += 1
+            entry[1], entry[2] = min(entry[1], lo), max(entry[2], hi)
+            self.live += entry[2] - entry[1] - before
+        self.peak = max(self.peak, self.live)
+
+    def _drop(self, key: int) -> None:
+        entry = self._held[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._held[key]
+            self.live -= entry[2] - entry[1]
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    __slots__ = ("owner", "tensor", "key")
+
+    def __init__(self, owner: SavedTensors, tensor: torch.Tensor, key: int, lo: int, hi: int):
+        self.owner, self.tensor, self.key = owner, tensor, key
+        owner._add(key, lo, hi)
+
+    def __del__(self):
+        self.owner._drop(self.key)

@@ -10,7 +10,8 @@ from dist_utils import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (tp, pp, ep, cp, zero, schedule, moe experts) of the GPT job on 4 processes
+# (tp, pp, ep, cp, zero, schedule, moe experts[, recompute]) of the GPT job on
+# 4 processes
 GPT_LAYOUTS = [
     (1, 1, 1, 1, 0, "1f1b", 0),
     (2, 1, 1, 1, 1, "1f1b", 0),
@@ -25,6 +26,8 @@ GPT_LAYOUTS = [
     (1, 1, 4, 1, 2, "1f1b", 4),
     (2, 1, 1, 2, 2, "1f1b", 0),
     (1, 2, 1, 2, 1, "1f1b", 0),
+    (2, 2, 1, 1, 0, "1f1b", 0, True),
+    (1, 1, 1, 1, 1, "1f1b", 0, True),
 ]
 
 
@@ -34,25 +37,28 @@ def _gpt_body(rank, world, layouts):
 
     import dsparallel
     from dsparallel.models import GPTConfig
+    from dsparallel.plan.activations import activation_bytes
     from dsparallel.plan.layout import Layout
-    from dsparallel.plan.measure import held
+    from dsparallel.plan.measure import SavedTensors, held
     from dsparallel.plan.memory import model_state
     from dsparallel.plan.model import rank_tensors, read_model
 
     corpus = train_gpt.load_corpus()
     out = []
-    for tp, pp, ep, cp, zero, schedule, experts in layouts:
+    for tp, pp, ep, cp, zero, schedule, experts, *recompute in layouts:
+        recompute = bool(recompute and recompute[0])
         cfg = GPTConfig(hidden=64, layers=4, seq_len=32, moe_experts=experts, moe_shared_experts=1)
         job = train_gpt.make_job(
             cfg,
             tp,
             pp,
             4,
-            16,
+            32,
             zero_stage=zero,
             schedule=schedule,
             expert_parallel=ep,
             context_parallel=cp,
+            checkpoint=recompute,
         )
         ddps = [st.submod for st in job.stages if hasattr(st.submod, "zero_stage")]
         # Counted after the optimizer's step, before the gradients are let go.
@@ -65,9 +71,21 @@ def _gpt_body(rank, world, layouts):
             zero_grad(set_to_none)
 
         job.opt.zero_grad = count_then_zero
-        train_gpt.train_step(job, corpus, 0)
+        with SavedTensors(job.module) as saved:
+            train_gpt.train_step(job, corpus, 0)
         s = job.state
-        lay = Layout(tp=tp, pp=pp, dp=s.dp_size, ep=ep, cp=cp, zero=zero, schedule=schedule)
+        lay = Layout(
+            tp=tp,
+            pp=pp,
+            dp=s.dp_size,
+            ep=ep,
+            cp=cp,
+            zero=zero,
+            schedule=schedule,
+            micro_batch=32 // (s.dp_size * 4),
+            micro_batches=4,
+            recompute=recompute,
+        )
         model = read_model(cfg)
         stages = lay.stages_of(s.pp_rank)
         expected = [
@@ -76,7 +94,8 @@ def _gpt_body(rank, world, layouts):
         got = [tuple(p.shape) for p in job.module.parameters()]
         assert got == expected, (lay, got, expected)
         predicted = model_state(model, lay, s.pp_rank, s.dp_rank, s.cp_rank)
-        out.append((lay, measured[0], predicted))
+        activations = activation_bytes(model, lay, s.pp_rank, cfg.seq_len)
+        out.append((lay, measured[0], predicted, saved.peak, activations))
         dsparallel.destroy_parallel()
     return out
 
@@ -88,13 +107,35 @@ def test_model_state_bytes_equal_what_the_gpt_job_holds():
     and GPipe, ZeRO 1 and 2, expert and context parallelism)."""
     results = run_ranks(_gpt_body, 4, GPT_LAYOUTS, timeout=400)
     for rank, per_rank in enumerate(results):
-        for lay, measured, predicted in per_rank:
+        for lay, measured, predicted, _, _ in per_rank:
             assert measured == predicted, (
                 f"rank {rank}, {lay}: held {measured}, planned {predicted}"
             )
+    _check_activations([[r[0], r[3], r[4]] for per_rank in results for r in per_rank])
 
 
-# (model, tp, pp, ep, cp, zero, dtype) of Llama / DeepSeek-V3 on 4 processes
+def _check_activations(rows, tolerance=0.10):
+    """Predicted activation bytes within ``tolerance`` of the peak saved
+    bytes each rank measured; with expert parallelism the routing decides
+    how many rows each rank's experts keep, so the mean over the layout's
+    ranks is held against the prediction (uniform routing)."""
+    by_layout: dict = {}
+    for key, saved, predicted in rows:
+        by_layout.setdefault(repr(key), []).append((saved, predicted))
+    for key, pairs in by_layout.items():
+        if "ep=1," in key:
+            checks = pairs
+        else:
+            n = len(pairs)
+            checks = [(sum(s for s, _ in pairs) / n, sum(p for _, p in pairs) / n)]
+        for saved, predicted in checks:
+            assert abs(predicted / saved - 1) <= tolerance, (
+                f"{key}: activations predicted {predicted:.0f} B, saved {saved:.0f} B"
+            )
+
+
+# (model, tp, pp, ep, cp, zero, dtype[, options]) of Llama / DeepSeek-V3 on 4
+# processes
 HF_LAYOUTS = [
     ("llama", 2, 2, 1, 1, 1, "float32"),
     ("llama", 1, 1, 1, 2, 2, "float32"),
@@ -104,6 +145,10 @@ HF_LAYOUTS = [
     ("deepseek", 2, 1, 2, 1, 1, "bfloat16"),
     ("deepseek", 1, 2, 2, 1, 0, "bfloat16"),
     ("deepseek", 1, 1, 4, 2, 1, "float32"),
+    ("llama", 2, 1, 1, 1, 0, "float32", {"sequence_parallel": True}),
+    ("llama", 2, 2, 1, 1, 0, "bfloat16", {"recompute": True}),
+    ("deepseek", 2, 1, 1, 1, 0, "float32", {"sequence_parallel": True, "recompute": True}),
+    ("deepseek", 4, 1, 1, 1, 0, "float32", {"sequence_parallel": True}),
 ]
 
 
@@ -113,17 +158,26 @@ def _hf_body(rank, world, layouts):
     import dsparallel
     from dsparallel.models import DeepseekV3, Llama
     from dsparallel.pipeline import Schedule1F1B
+    from dsparallel.plan.activations import activation_bytes
     from dsparallel.plan.layout import Layout
-    from dsparallel.plan.measure import held
+    from dsparallel.plan.measure import SavedTensors, held
     from dsparallel.plan.memory import model_state
     from dsparallel.plan.model import rank_tensors, read_model
 
     out = []
-    for kind, tp, pp, ep, cp, zero, dtype in layouts:
+    for kind, tp, pp, ep, cp, zero, dtype, *options in layouts:
+        options = options[0] if options else {}
+        sp, recompute = options.get("sequence_parallel", False), options.get("recompute", False)
         cls = DeepseekV3 if kind == "deepseek" else Llama
         config = dict(MODELS[kind], model_type=cls.model_type)
         state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
-        model = cls(config, state, dtype=getattr(torch, dtype))
+        model = cls(
+            config,
+            state,
+            dtype=getattr(torch, dtype),
+            sequence_parallel=sp,
+            checkpoint=recompute,
+        )
         replicas = state.dp_cp_group
         ddps = []
 
@@ -148,21 +202,35 @@ def _hf_body(rank, world, layouts):
             )
         else:
             opt = torch.optim.AdamW(params, lr=1e-3)
-        ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
-        if pp == 1:
-            runner(ids, labels=ids).loss.backward()
-        elif model.is_first:
-            schedule.step(ids)
-        else:
-            schedule.step(target=ids, losses=[])
+        ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(0))
+        with SavedTensors(model) as saved:
+            if pp == 1:
+                runner(ids, labels=ids).loss.backward()
+            elif model.is_first:
+                schedule.step(ids)
+            else:
+                schedule.step(target=ids, losses=[])
         opt.step()
         measured = held(model, opt, ddps)
-        lay = Layout(tp=tp, pp=pp, dp=state.dp_size, ep=ep, cp=cp, zero=zero, dtype=dtype)
+        lay = Layout(
+            tp=tp,
+            pp=pp,
+            dp=state.dp_size,
+            ep=ep,
+            cp=cp,
+            zero=zero,
+            dtype=dtype,
+            micro_batch=4 // pp,
+            micro_batches=pp,
+            sequence_parallel=sp,
+            recompute=recompute,
+        )
         plan_model = read_model(config)
         shapes = [t.shape for t in rank_tensors(plan_model, tp, pp, ep, state.pp_rank)]
         assert [tuple(p.shape) for p in model.parameters()] == shapes, (kind, lay)
         predicted = model_state(plan_model, lay, state.pp_rank, state.dp_rank, state.cp_rank)
-        out.append((kind, lay, measured, predicted))
+        activations = activation_bytes(plan_model, lay, state.pp_rank, 32)
+        out.append((kind, lay, measured, predicted, saved.peak, activations))
         dsparallel.destroy_parallel()
     return out
 
@@ -174,7 +242,8 @@ def test_model_state_bytes_equal_what_llama_and_deepseek_hold():
     master copies)."""
     results = run_ranks(_hf_body, 4, HF_LAYOUTS, timeout=400)
     for rank, per_rank in enumerate(results):
-        for kind, lay, measured, predicted in per_rank:
+        for kind, lay, measured, predicted, _, _ in per_rank:
             assert measured == predicted, (
                 f"rank {rank}, {kind} {lay}: held {measured}, planned {predicted}"
             )
+    _check_activations([[(r[0], r[1]), r[4], r[5]] for per_rank in results for r in per_rank])
