@@ -567,6 +567,89 @@ def _context_parallel(r):
     return lines
 
 
+def _spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def _plan(r):
+    cfg, rows = r["config"], r["rows"]
+    c = cfg["cluster"]
+    lines = [
+        f"The GPT job (hidden {cfg['model']['hidden']}, {cfg['model']['heads']} heads, "
+        f"{cfg['model']['layers']} layers, {cfg['model']['seq_len']} tokens, global batch "
+        f"{cfg['batch']} in {cfg['micro_batches']} micro-batches) at every layout of 4 "
+        "processes, planned by `dsparallel.plan` for this machine as "
+        "`calibrate(4)` measured it (matmul "
+        f"{max(f for _, f in c['flops_by_size']) / 1e9:.0f} GFLOP/s per rank at best, "
+        f"all-reduce {c['intra_bandwidth'] / 1e9:.2f} GB/s, "
+        f"{c['op_overhead'] * 1e6:.1f} us per op) and as run: the model state (parameters, "
+        "gradients, AdamW) and the activations saved for backward, each the most over the "
+        "ranks, and the step time (slowest rank; median [min-max] of 10 steps in 2 rounds).",
+        "",
+    ]
+    body, predicted, measured = [], [], []
+    for x in rows:
+        lay, e = x["layout"], x["predicted"]
+        name = (
+            f"tp {lay['tp']} pp {lay['pp']} dp {lay['dp']}"
+            + (f" cp {lay['cp']}" if lay["cp"] > 1 else "")
+            + (f" zero {lay['zero']}" if lay["zero"] else "")
+            + (f" {lay['schedule']}" if lay["pp"] > 1 else "")
+            + (" recompute" if lay["recompute"] else "")
+        )
+        predicted.append(e["time"]["total"])
+        measured.append(x["step_s"]["median"])
+        body.append(
+            [
+                name,
+                f"{e['model_state_bytes'] / 2**20:.2f} / {x['model_state_bytes'] / 2**20:.2f}",
+                f"{e['saved_bytes'] / 2**20:.2f} / {x['saved_bytes'] / 2**20:.2f}",
+                f"{e['time']['total'] * 1e3:.0f}",
+                t(x["step_s"], 1e3),
+            ]
+        )
+    lines += table(
+        [
+            "layout",
+            "model state MiB, planned / held",
+            "activations MiB, planned / saved",
+            "step ms, planned",
+            "step ms, measured",
+        ],
+        body,
+    )
+    best_planned = min(range(len(rows)), key=lambda i: predicted[i])
+    best = min(measured)
+    lines += [
+        "",
+        f"Spearman's rho between the planned and the measured step times: "
+        f"{_spearman(predicted, measured):.2f} over {len(rows)} layouts. The planned best "
+        f"({body[best_planned][0]}) measured {measured[best_planned] * 1e3:.0f} ms, "
+        f"{measured[best_planned] / best:.2f}x the measured best ({best * 1e3:.0f} ms).",
+        "",
+    ]
+    return lines
+
+
 def _call_cpu(r):
     lines = [
         "An 8-byte all-reduce, per call and rank: wall and CPU microseconds.",
@@ -644,6 +727,7 @@ SECTIONS = [
     ("models", "Llama and DeepSeek-V3", "models.py", _models),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
+    ("plan", "The split planner against measurement", "plan.py", _plan),
     ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
     ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
     ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),

@@ -22,6 +22,7 @@ progress; at the end it prints a summary and writes a loss curve.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -45,6 +46,7 @@ from dsparallel.pipeline import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from dsparallel.plan.measure import measure_step
 
 # --schedule: one stage per rank, except interleaved_1f1b (rank r builds
 # stages r, r + pp, ... of a model cut into K pp stages, K = --stages-per-rank,
@@ -164,6 +166,66 @@ def resume(path, rank, state, cfg, module, opt):
     module.load_state_dict(model_state)
     opt.load_state_dict(optim)
     return ckpt["step"], ckpt["history"]
+
+
+def plan_report(job: Job, args) -> dict:
+    """The planner's prediction for this rank's place in the layout
+    (dsparallel.plan), printed by rank 0 for the most loaded rank; with
+    --plan-cluster also the step time."""
+    from dsparallel.plan import Layout, estimate, model_state, read_model
+    from dsparallel.plan.activations import activation_bytes
+
+    state, cfg = job.state, job.cfg
+    lay = Layout(
+        tp=state.tp_size,
+        pp=state.pp_size,
+        dp=state.dp_size,
+        ep=state.ep_size,
+        cp=state.cp_size,
+        zero=args.zero_stage,
+        schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank,
+        recompute=args.checkpoint_activations,
+        cp_mode=args.cp_mode,
+        micro_batch=job.batch_size // (state.dp_size * job.micro_batches),
+        micro_batches=job.micro_batches,
+    )
+    model = read_model(cfg)
+    mine = model_state(model, lay, state.pp_rank, state.dp_rank, state.cp_rank)
+    act = activation_bytes(model, lay, state.pp_rank, cfg.seq_len)
+    planned = torch.tensor([mine.params, mine.grads, mine.optimizer, act], dtype=torch.float64)
+    dist.all_reduce(planned, op=dist.ReduceOp.MAX)
+    step_s = None
+    if args.plan_cluster:
+        step_s = estimate(model, lay, args.plan_cluster, job.batch_size, cfg.seq_len).time["total"]
+    if dist.get_rank() == 0:
+        print(
+            "plan (predicted, most loaded rank): "
+            + _bytes_line(planned)
+            + (f"; step {step_s * 1e3:.0f} ms" if step_s is not None else ""),
+            flush=True,
+        )
+    return {"bytes": planned, "step_s": step_s}
+
+
+def plan_compare(planned: dict, measured, step_s: float, rank: int) -> None:
+    """The same figures as measured on the last step (every rank's most)."""
+    state, saved = measured
+    held = torch.tensor([state.params, state.grads, state.optimizer, saved], dtype=torch.float64)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        predicted = planned["step_s"]
+        print(
+            "plan (measured, most loaded rank): "
+            + _bytes_line(held)
+            + f"; step {step_s * 1e3:.0f} ms"
+            + (f" (predicted {predicted * 1e3:.0f} ms)" if predicted is not None else "")
+        )
+
+
+def _bytes_line(values: torch.Tensor) -> str:
+    names = ("params", "grads", "optimizer", "activations")
+    return ", ".join(f"{n} {v / 2**20:.2f} MiB" for n, v in zip(names, values.tolist()))
 
 
 def plot(history, path):
@@ -404,6 +466,12 @@ def main() -> None:
         help="exit non-zero unless the mean loss of the last 10 steps is below R x the first",
     )
     p.add_argument("--backend", default=None)
+    p.add_argument(
+        "--plan-cluster",
+        default=None,
+        help="a cluster file or preset (python -m dsparallel.plan calibrate): also predict "
+        "the step time",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -453,6 +521,7 @@ def main() -> None:
             flush=True,
         )
 
+    planned = plan_report(job, args)
     t0, tokens = time.perf_counter(), 0
     # A bar that redraws on a terminal and writes a line every 20 s into a log.
     bar = tqdm(
@@ -463,8 +532,14 @@ def main() -> None:
         mininterval=0.1 if sys.stderr.isatty() else 20,
         unit="step",
     )
+    measured = None
     for step in bar:
-        loss = train_step(job, corpus, step)
+        if step == args.steps - 1:  # the last step also counts what the rank holds
+            ddps = [st.submod for st in job.stages if hasattr(st.submod, "zero_stage")]
+            run = functools.partial(train_step, job, corpus, step)
+            *measured, loss = measure_step(module, opt, run, ddps)
+        else:
+            loss = train_step(job, corpus, step)
         history.append((step + 1, loss))
         tokens += args.batch_size * args.seq
         rate = f"{tokens / (time.perf_counter() - t0):,.0f}"
@@ -488,6 +563,9 @@ def main() -> None:
         )
         for line in moe_summary:
             print(line)
+    if measured is not None:
+        plan_compare(planned, measured, elapsed / max(1, args.steps - start), rank)
+    if rank == 0 and history:
         if args.losses:
             with open(args.losses, "w") as f:
                 json.dump(history, f)

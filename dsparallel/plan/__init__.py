@@ -7,9 +7,23 @@
 - ``measure.held``: the same bytes counted on a live job.
 """
 
+from .cluster import PRESETS, Cluster, read_cluster
+from .estimate import Estimate, estimate
 from .layout import Layout
 from .measure import held
 from .memory import ModelState, model_state
 from .model import Model, read_model
 
-__all__ = ["Layout", "Model", "ModelState", "held", "model_state", "read_model"]
+__all__ = [
+    "PRESETS",
+    "Cluster",
+    "Estimate",
+    "Layout",
+    "Model",
+    "ModelState",
+    "estimate",
+    "held",
+    "model_state",
+    "read_cluster",
+    "read_model",
+]

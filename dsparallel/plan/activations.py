@@ -33,6 +33,8 @@ on the last. The micro-batches in flight come from the schedule
 
 from __future__ import annotations
 
+import functools
+
 from ..models.gpt import stage_blocks
 from .layout import Layout
 from .model import Model
@@ -136,6 +138,7 @@ def _rope_table(m: Model, seq: float) -> float:
     return seq * m.get("qk_rope_head_dim")
 
 
+@functools.lru_cache(maxsize=4096)
 def stage_bytes(m: Model, lay: Layout, stage: int, micro_batch: int, seq: int) -> float:
     """Bytes one micro-batch of ``micro_batch`` sequences of ``seq`` tokens
     leaves saved on a rank of pipeline stage ``stage``."""

@@ -123,3 +123,27 @@ class _Held:
 
     def __del__(self):
         self.owner._drop(self.key)
+
+
+def measure_step(module: torch.nn.Module, optimizer, run, ddps=()) -> tuple:
+    """Runs one training step ``run()`` (forward, backward, the optimizer's
+    step and its ``zero_grad``) and returns what the rank held: the model
+    state counted after the optimizer's step, before the gradients are let
+    go, the peak bytes saved for backward over the step, and what ``run``
+    returned."""
+    counted = []
+    zero_grad = optimizer.zero_grad
+
+    def count_then_zero(*args, **kwargs):
+        counted.append(held(module, optimizer, ddps))
+        return zero_grad(*args, **kwargs)
+
+    optimizer.zero_grad = count_then_zero
+    try:
+        with SavedTensors(module) as saved:
+            value = run()
+    finally:
+        optimizer.zero_grad = zero_grad
+    if not counted:
+        raise RuntimeError("measure_step: the step did not call the optimizer's zero_grad")
+    return counted[0], saved.peak, value

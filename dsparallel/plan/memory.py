@@ -14,6 +14,7 @@ dtype and 25 MiB after), so that the bytes equal what a rank holds.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .layout import Layout
@@ -77,6 +78,7 @@ def _slice_state(buffer: list[Tensor], world: int, rank: int, lay: Layout) -> in
     return total
 
 
+@functools.lru_cache(maxsize=4096)
 def model_state(
     model: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0, cp_rank: int = 0
 ) -> ModelState:

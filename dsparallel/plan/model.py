@@ -7,10 +7,11 @@ hold them against the models themselves, tensor for tensor.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..models.gpt import GPTConfig, stage_blocks
 
@@ -21,13 +22,13 @@ class Tensor:
     shape: tuple[int, ...]
     expert: bool = False  # reduced over the ranks holding the same experts
     fp32: bool = False  # kept in float32 whatever the model's dtype (a router)
+    numel: int = field(init=False)
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self):
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: the planner's caches key on it
 class Model:
     """A model config as the planner reads it: ``kind`` is "gpt", "llama" or
     "deepseek_v3"; ``config`` the GPTConfig or the config dict."""
@@ -90,6 +91,7 @@ def _split(what: str, value: int, size: int, over: str = "tensor-parallel size")
     return value // size
 
 
+@functools.lru_cache(maxsize=4096)
 def rank_tensors(model: Model, tp: int, pp: int, ep: int, pp_rank: int) -> list[Tensor]:
     """The parameters a rank of pipeline stage ``pp_rank`` holds at tensor-
     parallel size ``tp`` and expert-parallel size ``ep`` (every rank of a

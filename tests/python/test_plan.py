@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
+import pytest
 import torch
 from dist_utils import run_ranks
 
@@ -39,7 +41,7 @@ def _gpt_body(rank, world, layouts):
     from dsparallel.models import GPTConfig
     from dsparallel.plan.activations import activation_bytes
     from dsparallel.plan.layout import Layout
-    from dsparallel.plan.measure import SavedTensors, held
+    from dsparallel.plan.measure import measure_step
     from dsparallel.plan.memory import model_state
     from dsparallel.plan.model import rank_tensors, read_model
 
@@ -61,18 +63,9 @@ def _gpt_body(rank, world, layouts):
             checkpoint=recompute,
         )
         ddps = [st.submod for st in job.stages if hasattr(st.submod, "zero_stage")]
-        # Counted after the optimizer's step, before the gradients are let go.
-        measured, zero_grad = [], job.opt.zero_grad
-
-        def count_then_zero(
-            set_to_none=True, job=job, ddps=ddps, measured=measured, zero_grad=zero_grad
-        ):
-            measured.append(held(job.module, job.opt, ddps))
-            zero_grad(set_to_none)
-
-        job.opt.zero_grad = count_then_zero
-        with SavedTensors(job.module) as saved:
-            train_gpt.train_step(job, corpus, 0)
+        measured, peak, _ = measure_step(
+            job.module, job.opt, lambda job=job: train_gpt.train_step(job, corpus, 0), ddps
+        )
         s = job.state
         lay = Layout(
             tp=tp,
@@ -95,7 +88,7 @@ def _gpt_body(rank, world, layouts):
         assert got == expected, (lay, got, expected)
         predicted = model_state(model, lay, s.pp_rank, s.dp_rank, s.cp_rank)
         activations = activation_bytes(model, lay, s.pp_rank, cfg.seq_len)
-        out.append((lay, measured[0], predicted, saved.peak, activations))
+        out.append((lay, measured, predicted, peak, activations))
         dsparallel.destroy_parallel()
     return out
 
@@ -247,3 +240,87 @@ def test_model_state_bytes_equal_what_llama_and_deepseek_hold():
                 f"rank {rank}, {kind} {lay}: held {measured}, planned {predicted}"
             )
     _check_activations([[(r[0], r[1]), r[4], r[5]] for per_rank in results for r in per_rank])
+
+
+def test_zero_papers_memory_per_device_is_reproduced():
+    """ZeRO (arXiv 1910.02054), 7.5B parameters on 64 devices, mixed-precision
+    Adam: 120 GB per device without ZeRO, 31.4 with stage 1, 16.6 with stage
+    2. A GPT of 7.47B parameters, in bfloat16 with ZeRO's float32 master
+    weights and moments (float32 throughout without ZeRO: the same 16
+    bytes a parameter), scaled to 7.5B: within 2%."""
+    from dsparallel.models import GPTConfig
+    from dsparallel.plan import Layout, model_state, read_model
+    from dsparallel.plan.model import rank_tensors
+
+    m = read_model(GPTConfig(vocab_size=50304, seq_len=2048, hidden=4096, heads=32, layers=35))
+    psi = sum(t.numel for t in rank_tensors(m, 1, 1, 1, 0))
+    assert abs(psi / 7.5e9 - 1) < 0.01
+    for lay, paper in (
+        (Layout(dp=64, zero=0, dtype="float32"), 120.0),
+        (Layout(dp=64, zero=1, dtype="bfloat16"), 31.4),
+        (Layout(dp=64, zero=2, dtype="bfloat16"), 16.6),
+    ):
+        ours = model_state(m, lay).total * 7.5e9 / psi / 1e9
+        assert abs(ours / paper - 1) < 0.02, (lay.zero, ours, paper)
+
+
+def test_bad_input_is_named():
+    from dsparallel.models import GPTConfig
+    from dsparallel.plan import Layout, estimate, read_cluster
+
+    cfg = GPTConfig(hidden=64, heads=4, layers=4)
+    cluster = read_cluster("h100-80gb-sxm")
+    cases = [
+        (Layout(tp=2, dp=2, micro_batch=4, micro_batches=1), "= 4 ranks, but the cluster has 8"),
+        (
+            Layout(tp=8, micro_batch=16, micro_batches=1),
+            "4 attention heads are not divisible by tp 8",
+        ),
+        (Layout(dp=8, micro_batch=1, micro_batches=1), "not the global batch 16"),
+        (Layout(pp=8, micro_batch=16, micro_batches=1), "4 layers cannot fill 8 stages"),
+    ]
+    for lay, needle in cases:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            estimate(cfg, lay, cluster, 16, 64)
+    with pytest.raises(ValueError, match="lacks the field.*flops"):
+        read_cluster(
+            {
+                "name": "x",
+                "devices_per_host": 8,
+                "hosts": 1,
+                "memory_bytes": 1e9,
+                "intra_bandwidth": 1e9,
+                "intra_latency": 1e-6,
+                "inter_bandwidth": 1e9,
+                "inter_latency": 1e-6,
+            }
+        )
+    with pytest.raises(ValueError, match="neither a preset"):
+        read_cluster("no-such-gpu")
+
+
+def test_the_planner_page_shows_what_the_planner_prints(capsys):
+    """docs/guides/planner.md's worked example (DeepSeek-V3 on 64 H100s) is
+    the CLI's output for the commands it shows, and every layout it lists
+    fits 90% of an 80 GB device."""
+    from dsparallel.plan.__main__ import main
+
+    with open(os.path.join(ROOT, "docs", "guides", "planner.md")) as f:
+        page = f.read()
+    block = page.split("<!-- plan example: begin -->")[1].split("<!-- plan example: end -->")[0]
+    block = block.strip().removeprefix("```text").removesuffix("```").strip()
+    printed = []
+    for command in re.findall(r"^\$ python -m dsparallel.plan (.*)$", block, re.M):
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        try:
+            main(command.split())
+        finally:
+            os.chdir(cwd)
+        printed.append(
+            f"$ python -m dsparallel.plan {command}\n" + capsys.readouterr().out.rstrip()
+        )
+    assert "\n\n".join(printed) == block
+    rows = [line for line in block.splitlines() if "|" in line and not line.startswith("tp")]
+    assert rows and all(float(r.split("|")[0].split()[-1]) <= 0.9 * 80 for r in rows)
+    assert "the best: torchrun --nproc-per-node 64 examples/train_hf.py" in block

@@ -1,0 +1,174 @@
+"""python -m dsparallel.plan: which layout for this model on these devices.
+
+    python -m dsparallel.plan --model examples/configs/deepseek-v3.json \\
+        --cluster h100-80gb-sxm --hosts 8 --global-batch 1024 --seq-len 4096
+    python -m dsparallel.plan --model gpt --cluster this.json --global-batch 16 --seq-len 128
+    python -m dsparallel.plan calibrate --devices 4 --out this.json
+
+Every valid layout is estimated (``dsparallel.plan.estimate``); those whose
+most loaded rank does not fit ``--margin`` of a device's memory are
+dropped, the rest ranked by predicted tokens/s. Prints the top ``--top``
+(memory per rank by kind, step time by part, tokens/s, MFU) and the
+command line that runs the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .cluster import PRESETS, read_cluster
+from .model import read_model
+from .search import search
+
+GB = 1e9
+
+
+def _gpt(spec: str):
+    """``gpt`` or ``gpt:hidden=256,layers=8,...``: our GPT config."""
+    from ..models.gpt import GPTConfig
+
+    values = {}
+    if ":" in spec:
+        for item in spec.split(":", 1)[1].split(","):
+            key, value = item.split("=")
+            values[key] = int(value)
+    return GPTConfig(**values)
+
+
+def _command(e, model_arg: str, kind: str, seq: int, global_batch: int) -> str:
+    lay = e.layout
+    if kind == "gpt":
+        parts = [
+            f"NPROC={lay.world} bash scripts/train.sh",
+            f"--tensor-parallel {lay.tp}",
+            f"--pipeline-parallel {lay.pp}",
+            f"--micro-batches {lay.micro_batches}",
+            f"--batch-size {global_batch}",
+        ]
+        if lay.pp > 1:
+            parts.append(f"--schedule {lay.schedule}")
+    else:
+        parts = [
+            f"torchrun --nproc-per-node {lay.world} examples/train_hf.py --model {model_arg}",
+            f"--tensor-parallel {lay.tp} --pipeline-parallel {lay.pp}",
+            f"--micro-batches {lay.micro_batches} --batch-size {global_batch} --seq-len {seq}",
+        ]
+        if lay.sequence_parallel:
+            parts.append("--sequence-parallel")
+    if lay.ep > 1:
+        parts.append(f"--expert-parallel {lay.ep}")
+    if lay.cp > 1:
+        parts.append(f"--context-parallel {lay.cp} --cp-mode {lay.cp_mode}")
+    if lay.zero:
+        parts.append(f"--zero-stage {lay.zero}")
+    if lay.recompute:
+        parts.append("--checkpoint-activations" if kind == "gpt" else "--recompute")
+    return " ".join(parts)
+
+
+def _table(rows, cluster) -> str:
+    head = (
+        "tp pp dp ep cp  zero  schedule          rc sp  mb x n   "
+        "params  grads  optim  activ  total GB |  compute   comm  bubble  optim  step ms | "
+        "tokens/s    MFU"
+    )
+    lines = [head, "-" * len(head)]
+    for e in rows:
+        lay, mem, t = e.layout, e.memory, e.time
+        lines.append(
+            f"{lay.tp:2} {lay.pp:2} {lay.dp:2} {lay.ep:2} {lay.cp:2}  {lay.zero:4}  "
+            f"{lay.schedule if lay.pp > 1 else '-':16}  {'y' if lay.recompute else 'n':2} "
+            f"{'y' if lay.sequence_parallel else 'n':2} "
+            f"{lay.micro_batch:3} x{lay.micro_batches:3}  "
+            f"{mem['params'] / GB:7.2f} {mem['grads'] / GB:6.2f} {mem['optimizer'] / GB:6.2f} "
+            f"{mem['activations'] / GB:6.2f} {mem['total'] / GB:6.2f}    | "
+            f"{t['compute'] * 1e3:8.1f} {t['comm'] * 1e3:6.1f} {t['bubble'] * 1e3:7.1f} "
+            f"{t['optimizer'] * 1e3:6.1f} {t['total'] * 1e3:8.1f} | "
+            f"{e.tokens_per_s:9.0f} {e.mfu:6.1%}"
+        )
+    return "\n".join(lines)
+
+
+def _png(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = ("params", "grads", "optimizer", "activations")
+    labels = [
+        f"tp{e.layout.tp} pp{e.layout.pp} dp{e.layout.dp} ep{e.layout.ep} cp{e.layout.cp} "
+        f"z{e.layout.zero}{' rc' if e.layout.recompute else ''}"
+        for e in rows
+    ]
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    left = [0.0] * len(rows)
+    for kind in kinds:
+        values = [e.memory[kind] / GB for e in rows]
+        ax.barh(labels, values, left=left, label=kind)
+        left = [a + b for a, b in zip(left, values)]
+    ax.invert_yaxis()
+    ax.set_xlabel("GB per rank (most loaded), predicted")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        ap = argparse.ArgumentParser(prog="python -m dsparallel.plan calibrate")
+        ap.add_argument("--devices", type=int, default=4)
+        ap.add_argument("--dtype", default="float32")
+        ap.add_argument("--out", required=True)
+        a = ap.parse_args(argv[1:])
+        from .calibrate import calibrate
+
+        cluster = calibrate(a.devices, a.dtype, a.out)
+        print(f"wrote {a.out}: {cluster}")
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m dsparallel.plan", description=__doc__)
+    ap.add_argument("--model", required=True, help="config.json (or its directory), gpt[:k=v,..]")
+    ap.add_argument("--cluster", required=True, help=f"a JSON file or {', '.join(PRESETS)}")
+    ap.add_argument("--hosts", type=int, default=None, help="hosts of a preset (default 1)")
+    ap.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--margin", type=float, default=0.9, help="share of device memory a plan fills")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--png", default=None, help="draw memory by kind of the top layouts")
+    a = ap.parse_args(argv)
+    try:
+        model = read_model(_gpt(a.model) if a.model.startswith("gpt") else a.model)
+        cluster = read_cluster(a.cluster, a.hosts)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows, count, smallest = search(model, cluster, a.global_batch, a.seq_len, a.dtype, a.margin)
+    print(
+        f"{count} layouts of {model.kind} on {cluster.devices} x {cluster.name} "
+        f"({cluster.memory_bytes / GB:.0f} GB each, {cluster.source or 'no source stated'}); "
+        f"{len(rows)} fit {a.margin:.0%} of a device's memory. Predictions, fastest first:"
+    )
+    if not rows:
+        if smallest is not None:
+            lay = smallest.layout
+            print(
+                f"The least memory: {smallest.memory['total'] / GB:.1f} GB on the most loaded "
+                f"rank (tp {lay.tp} pp {lay.pp} dp {lay.dp} ep {lay.ep} cp {lay.cp}, ZeRO "
+                f"{lay.zero}{', recomputed' if lay.recompute else ''}): more devices, or a "
+                "smaller batch or sequence, are needed."
+            )
+        return 1
+    print(_table(rows[: a.top], cluster))
+    print("\nthe best:", _command(rows[0], a.model, model.kind, a.seq_len, a.global_batch))
+    if a.png:
+        _png(rows[: a.top], a.png)
+        print(f"wrote {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
