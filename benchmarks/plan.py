@@ -81,9 +81,8 @@ def _measure(rank, world, layout, steps):
         t = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
-    ddps = [s.submod for s in job.stages if hasattr(s.submod, "zero_stage")]
     state, peak, _ = measure_step(
-        job.module, job.opt, lambda: train_gpt.train_step(job, corpus, 2 + steps), ddps
+        job.module, job.opt, lambda: train_gpt.train_step(job, corpus, 2 + steps), job.ddps
     )
     mine = torch.tensor(
         [float(state.params + state.grads + state.optimizer), float(peak)],

@@ -176,12 +176,8 @@ def plan_report(job: Job, args) -> dict:
     from dsparallel.plan.activations import activation_bytes
 
     state, cfg = job.state, job.cfg
-    lay = Layout(
-        tp=state.tp_size,
-        pp=state.pp_size,
-        dp=state.dp_size,
-        ep=state.ep_size,
-        cp=state.cp_size,
+    lay = Layout.of(
+        state,
         zero=args.zero_stage,
         schedule=args.schedule,
         stages_per_rank=args.stages_per_rank,
@@ -256,6 +252,11 @@ class Job:
     opt: torch.optim.Optimizer
     micro_batches: int
     batch_size: int
+
+    @property
+    def ddps(self) -> list:
+        """The stages' DistributedDataParallel wrappers (none without dp x cp)."""
+        return [s.submod for s in self.stages if hasattr(s.submod, "zero_stage")]
 
 
 def make_job(
@@ -535,9 +536,8 @@ def main() -> None:
     measured = None
     for step in bar:
         if step == args.steps - 1:  # the last step also counts what the rank holds
-            ddps = [st.submod for st in job.stages if hasattr(st.submod, "zero_stage")]
             run = functools.partial(train_step, job, corpus, step)
-            *measured, loss = measure_step(module, opt, run, ddps)
+            *measured, loss = measure_step(module, opt, run, job.ddps)
         else:
             loss = train_step(job, corpus, step)
         history.append((step + 1, loss))

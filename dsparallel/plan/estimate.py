@@ -290,7 +290,13 @@ def estimate(
         busy = pipeline * (1 - stats.bubble)
     # Exposed communication inside the pipeline: the collectives' share of
     # the busy time (they are part of the stage costs).
-    pure = _pure_compute(m, lay, cluster, seq_len)
+    # The busiest rank's compute without communication: a stage's weight
+    # gradient is a forward's work, and each micro-batch runs three of them
+    # (forward, input and weight gradients), four with recomputation.
+    passes = 4 if lay.recompute else 3
+    pure = lay.micro_batches * max(
+        sum(passes * costs[s][2] for s in lay.stages_of(r)) for r in range(lay.pp)
+    )
     exposed_inside = max(0.0, busy - pure)
 
     # Gradients over the replicas, then the optimizer.
@@ -359,25 +365,3 @@ def _shared_cores(lay: Layout, cluster: Cluster, costs, after: float) -> float:
         for r in range(lay.pp)
     ]
     return ranks * sum(per_rank) / len(per_rank) / cores
-
-
-def _pure_compute(m: Model, lay: Layout, cluster: Cluster, seq: int) -> float:
-    """The busiest rank's compute and op overhead over the step, without
-    communication: its stages' forward and backward for every micro-batch."""
-    quiet = dataclasses.replace(
-        cluster,
-        intra_latency=0.0,
-        inter_latency=0.0,
-        intra_bandwidth=float("inf"),
-        inter_bandwidth=float("inf"),
-    )
-    links = _Links(quiet, lay)
-    comm = dict.fromkeys(KINDS, 0.0)
-    best = 0.0
-    for r in range(lay.pp):
-        total = 0.0
-        for s in lay.stages_of(r):
-            f, i, w = _stage_costs(m, lay, quiet, links, s, seq, comm)
-            total += f + i + w
-        best = max(best, total * lay.micro_batches)
-    return best

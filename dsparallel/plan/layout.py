@@ -27,6 +27,19 @@ class Layout:
     micro_batches: int = 1  # per step
     dtype: str = "float32"
 
+    @classmethod
+    def of(cls, state, **choices) -> Layout:
+        """The sizes of ``init_parallel``'s ``state``, with the job's other
+        ``choices`` (zero, schedule, micro-batches, ...)."""
+        return cls(
+            tp=state.tp_size,
+            pp=state.pp_size,
+            dp=state.dp_size,
+            ep=state.ep_size,
+            cp=state.cp_size,
+            **choices,
+        )
+
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp * self.cp

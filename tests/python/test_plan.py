@@ -62,17 +62,12 @@ def _gpt_body(rank, world, layouts):
             context_parallel=cp,
             checkpoint=recompute,
         )
-        ddps = [st.submod for st in job.stages if hasattr(st.submod, "zero_stage")]
         measured, peak, _ = measure_step(
-            job.module, job.opt, lambda job=job: train_gpt.train_step(job, corpus, 0), ddps
+            job.module, job.opt, lambda job=job: train_gpt.train_step(job, corpus, 0), job.ddps
         )
         s = job.state
-        lay = Layout(
-            tp=tp,
-            pp=pp,
-            dp=s.dp_size,
-            ep=ep,
-            cp=cp,
+        lay = Layout.of(
+            s,
             zero=zero,
             schedule=schedule,
             micro_batch=32 // (s.dp_size * 4),
@@ -205,12 +200,8 @@ def _hf_body(rank, world, layouts):
                 schedule.step(target=ids, losses=[])
         opt.step()
         measured = held(model, opt, ddps)
-        lay = Layout(
-            tp=tp,
-            pp=pp,
-            dp=state.dp_size,
-            ep=ep,
-            cp=cp,
+        lay = Layout.of(
+            state,
             zero=zero,
             dtype=dtype,
             micro_batch=4 // pp,
