@@ -75,6 +75,7 @@ CLASSES = {"llama": Llama, "deepseek_v3": DeepseekV3}
 
 def build_model(spec: str, state, args):
     kwargs = dict(
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
         checkpoint=args.recompute,
         sequence_parallel=args.sequence_parallel,
         cp_mode=args.cp_mode,
@@ -107,6 +108,12 @@ def main() -> None:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0)
     p.add_argument("--recompute", action="store_true", help="recompute each layer in backward")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the model's dtype (default: a checkpoint's own, float32 for a config)",
+    )
     p.add_argument("--micro-batches", type=int, default=2, help="per step under pp (1F1B)")
     p.add_argument("--batch-size", type=int, default=8, help="global, in sequences")
     p.add_argument("--seq-len", type=int, default=64)

@@ -4,6 +4,7 @@
         --cluster h100-80gb-sxm --hosts 8 --global-batch 1024 --seq-len 4096
     python -m dsparallel.plan --model gpt --cluster this.json --global-batch 16 --seq-len 128
     python -m dsparallel.plan calibrate --devices 4 --out this.json
+    python -m dsparallel.plan published   # the published figures it reproduces
 
 Every valid layout is estimated (``dsparallel.plan.estimate``); those whose
 most loaded rank does not fit ``--margin`` of a device's memory are
@@ -36,16 +37,23 @@ def _gpt(spec: str):
     return GPTConfig(**values)
 
 
-def _command(e, model_arg: str, kind: str, seq: int, global_batch: int) -> str:
-    lay = e.layout
+def _command(e, model_arg: str, model, seq: int, global_batch: int) -> str:
+    lay, kind = e.layout, model.kind
     if kind == "gpt":
+        cfg = model.config
         parts = [
             f"NPROC={lay.world} bash scripts/train.sh",
+            f"--hidden {cfg.hidden} --heads {cfg.heads} --layers {cfg.layers} --seq {seq}",
             f"--tensor-parallel {lay.tp}",
             f"--pipeline-parallel {lay.pp}",
             f"--micro-batches {lay.micro_batches}",
             f"--batch-size {global_batch}",
         ]
+        if cfg.moe_experts:
+            parts.append(
+                f"--moe-experts {cfg.moe_experts} --moe-top-k {cfg.moe_top_k} "
+                f"--moe-shared-experts {cfg.moe_shared_experts}"
+            )
         if lay.pp > 1:
             parts.append(f"--schedule {lay.schedule}")
     else:
@@ -56,6 +64,7 @@ def _command(e, model_arg: str, kind: str, seq: int, global_batch: int) -> str:
         ]
         if lay.sequence_parallel:
             parts.append("--sequence-parallel")
+        parts.append(f"--dtype {lay.dtype}")
     if lay.ep > 1:
         parts.append(f"--expert-parallel {lay.ep}")
     if lay.cp > 1:
@@ -118,6 +127,11 @@ def _png(rows, path: str) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["published"]:
+        from .published import report
+
+        print(report())
+        return 0
     if argv[:1] == ["calibrate"]:
         ap = argparse.ArgumentParser(prog="python -m dsparallel.plan calibrate")
         ap.add_argument("--devices", type=int, default=4)
@@ -135,7 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", type=int, default=None, help="hosts of a preset (default 1)")
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the model's dtype: bfloat16 by default, float32 for the GPT job (its only one)",
+    )
     ap.add_argument("--margin", type=float, default=0.9, help="share of device memory a plan fills")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--png", default=None, help="draw memory by kind of the top layouts")
@@ -143,10 +162,13 @@ def main(argv=None) -> int:
     try:
         model = read_model(_gpt(a.model) if a.model.startswith("gpt") else a.model)
         cluster = read_cluster(a.cluster, a.hosts)
+        dtype = a.dtype or ("float32" if model.kind == "gpt" else "bfloat16")
+        if model.kind == "gpt" and dtype != "float32":
+            raise ValueError(f"the GPT job trains in float32 only, not {dtype}")
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows, count, smallest = search(model, cluster, a.global_batch, a.seq_len, a.dtype, a.margin)
+    rows, count, smallest = search(model, cluster, a.global_batch, a.seq_len, dtype, a.margin)
     print(
         f"{count} layouts of {model.kind} on {cluster.devices} x {cluster.name} "
         f"({cluster.memory_bytes / GB:.0f} GB each, {cluster.source or 'no source stated'}); "
@@ -163,7 +185,7 @@ def main(argv=None) -> int:
             )
         return 1
     print(_table(rows[: a.top], cluster))
-    print("\nthe best:", _command(rows[0], a.model, model.kind, a.seq_len, a.global_batch))
+    print("\nthe best:", _command(rows[0], a.model, model, a.seq_len, a.global_batch))
     if a.png:
         _png(rows[: a.top], a.png)
         print(f"wrote {a.png}")

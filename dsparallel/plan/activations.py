@@ -34,27 +34,88 @@ on the last. The micro-batches in flight come from the schedule
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from ..models.gpt import stage_blocks
 from .layout import Layout
 from .model import Model
 
 
-def _gpt_block(m: Model, lay: Layout, tokens: float) -> float:
-    h, a, t = m.hidden, m.heads, lay.tp
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer saves for backward: ``width`` elements per token
+    of ``nbytes`` each (None: the model's dtype). ``split`` says what
+    divides it over the tensor-parallel ranks: "tp" (a head's or the MLP's
+    shard), "sp" (a whole-width tensor that sequence parallelism keeps on
+    T / t tokens), or "" (every rank keeps it whole). ``core`` marks
+    attention's core (the scores, their softmax and dropout), which
+    selective recomputation drops."""
+
+    width: float
+    nbytes: int | None = None
+    split: str = ""
+    core: bool = False
+
+
+def layer_bytes(saved: list[Saved], lay: Layout, tokens: float, selective: bool = False) -> float:
+    """Bytes a layer's ``saved`` tensors take on one rank for ``tokens``
+    of this rank's tokens."""
+    total = 0.0
+    for x in saved:
+        if selective and x.core:
+            continue
+        whole = x.split == "" or (x.split == "sp" and not lay.sequence_parallel)
+        nbytes = lay.dtype_bytes if x.nbytes is None else x.nbytes
+        total += tokens * x.width * nbytes / (1 if whole else lay.tp)
+    return total
+
+
+def gpt_block(m: Model, lay: Layout) -> list[Saved]:
+    """What our GPT block saves: the two LayerNorms' inputs and outputs and
+    their float32 mean and rstd, whole on every rank; q, k, v, the
+    attention output and the MLP's hidden and GELU on this rank's heads;
+    the flash kernel's float32 log-sum-exp per head. Recomputed: the
+    block's input."""
+    h, a = m.hidden, m.heads
     if lay.recompute:
-        return tokens * h, 0.0
+        return [Saved(h)]
+    saved = [Saved(4 * h), Saved(4, 4), Saved(4 * h, split="tp"), Saved(a, 4, "tp")]
     cfg = m.config
-    mlp = 8 * h / t  # fc1's output (GELU's input) and GELU's output (fc2's input)
-    if cfg.moe_experts:
-        # Not split by tp: the router's scores and choices (int64), the
-        # dispatched rows, each expert's hidden and GELU, the combined rows
-        # and their slots; the shared experts' hidden and GELU.
-        k, ffn = cfg.moe_top_k, max(1, 4 * h // cfg.moe_top_k)
-        mlp = cfg.moe_experts + 7 * k + k * (3 * h + 2 * ffn)
-        mlp += 2 * cfg.moe_shared_experts * ffn
-    # LayerNorms' mean and rstd, the flash kernel's log-sum-exp: float32.
-    return tokens * (4 * h + 4 * h / t + mlp), tokens * (4 + a / t)
+    if not cfg.moe_experts:
+        return saved + [Saved(8 * h, split="tp")]  # fc1's output and GELU's
+    # Not split by tp: the router's scores and choices (int64), the
+    # dispatched rows, each expert's hidden and GELU, the combined rows and
+    # their slots; the shared experts' hidden and GELU.
+    k, ffn = cfg.moe_top_k, max(1, 4 * h // cfg.moe_top_k)
+    mlp = cfg.moe_experts + 7 * k + k * (3 * h + 2 * ffn) + 2 * cfg.moe_shared_experts * ffn
+    return saved + [Saved(mlp)]
+
+
+def megatron_layer(h: int, a: int, s: int, recompute: str = "none") -> list[Saved]:
+    """What Megatron-LM's GPT layer saves, as Korthikanti et al. (arXiv
+    2205.05198, section 4) count it: 16-bit activations, 1-byte dropout
+    masks, attention without a fused kernel (its scores, softmax and
+    dropout per head over the ``s`` keys). ``recompute``: "none",
+    "selective" (marked ``core``, dropped by ``layer_bytes(selective=True)``)
+    or "full" (the layer's input)."""
+    if recompute == "full":
+        return [Saved(h, 2)]
+    return [
+        Saved(h, 2, "sp"),  # LayerNorm 1's input
+        Saved(h, 2, "sp"),  # the QKV matmul's input
+        Saved(2 * h, 2, "tp"),  # q and k for the scores
+        Saved(a * s, 2, "tp", core=True),  # softmax's output
+        Saved(a * s, 1, "tp", core=True),  # its dropout mask
+        Saved(a * s, 2, "tp", core=True),  # the dropout's output (times v)
+        Saved(h, 2, "tp"),  # v
+        Saved(h, 2, "tp"),  # the output projection's input
+        Saved(h, 1, "sp"),  # attention's dropout mask
+        Saved(h, 2, "sp"),  # LayerNorm 2's input
+        Saved(h, 2, "sp"),  # fc1's input
+        Saved(4 * h, 2, "tp"),  # GeLU's input
+        Saved(4 * h, 2, "tp"),  # fc2's input
+        Saved(h, 1, "sp"),  # the MLP's dropout mask
+    ]
 
 
 def _norms(
@@ -145,11 +206,12 @@ def stage_bytes(m: Model, lay: Layout, stage: int, micro_batch: int, seq: int) -
     local_seq = seq / lay.cp
     tokens = micro_batch * local_seq
     h, t = m.hidden, lay.tp
-    low = fp32 = 0.0
+    low = fp32 = blocks = 0.0  # elements in the model's dtype, in float32; bytes
     for i in stage_blocks(m.layers, stage, lay.num_stages):
         if m.kind == "gpt":
-            a, b = _gpt_block(m, lay, tokens)
-        elif m.kind == "llama":
+            blocks += layer_bytes(gpt_block(m, lay), lay, tokens)
+            continue
+        if m.kind == "llama":
             a, b = _llama_layer(m, lay, tokens, local_seq)
         else:
             a, b = _deepseek_layer(m, lay, i, tokens, local_seq)
@@ -167,7 +229,7 @@ def stage_bytes(m: Model, lay: Layout, stage: int, micro_batch: int, seq: int) -
             a, b = _norms(h, lay, tokens, 1)
             low, fp32 = low + a + tokens * h, fp32 + b
         fp32 += tokens * (m.vocab / t + 4)
-    return low * lay.dtype_bytes + fp32 * 4
+    return blocks + low * lay.dtype_bytes + fp32 * 4
 
 
 def peak_in_flight(lay: Layout) -> list[int]:

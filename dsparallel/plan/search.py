@@ -24,7 +24,9 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
     """The layouts worth estimating: tp within a host, pp up to the layers,
     cp and ep where they apply, ZeRO 0-2, recomputation on and off,
     sequence parallelism with tp, the 1F1B, interleaved and ZBV schedules
-    under pp, micro-batches of 1, 2 or 4 sequences."""
+    under pp (Llama and DeepSeek-V3 build one stage per rank, which
+    examples/train_hf.py runs under 1F1B: that one for them), micro-batches
+    of 1, 2 or 4 sequences."""
     world = cluster.devices
     experts = _experts(m)
     for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
@@ -36,7 +38,7 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
         if global_batch % dp:
             continue
         eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
-        schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved_1f1b", "zbv"]
+        schedules = ["1f1b"] if pp == 1 or m.kind != "gpt" else ["1f1b", "interleaved_1f1b", "zbv"]
         for ep, zero, recompute, schedule, mb in itertools.product(
             eps, (0, 1, 2), (False, True), schedules, (1, 2, 4)
         ):
