@@ -1,10 +1,11 @@
 """The split planner against measurement: the GPT job at every layout of 4
-processes, its step time, memory and activations as planned and as run.
+(or 2) processes, its step time, memory and activations as planned and as
+run.
 
-    python benchmarks/plan.py [--rounds 2] [--steps 5]
+    python benchmarks/plan.py [--devices 4] [--rounds 3] [--steps 5]
 
-``dsparallel.plan.calibrate(4)`` measures this machine with 4 ranks at once
-(the cluster the plans are for); each layout then runs the training job's
+``dsparallel.plan.calibrate(devices)`` measures this machine with that many
+ranks at once (the cluster the plans are for); each layout then runs the training job's
 own step (``examples/train_gpt.py``'s ``make_job`` and ``train_step``):
 ``--steps`` timed steps after 2 untimed ones, the slowest rank's time per
 step, in ``--rounds`` rounds with the layouts' order rotating. The report
@@ -29,8 +30,23 @@ from launch import run_ranks  # noqa: E402
 
 MODEL = dict(vocab_size=128, seq_len=128, hidden=256, heads=8, layers=8)
 BATCH, MICRO_BATCHES = 16, 4
-# (tp, pp, cp, zero, schedule, recompute) on 4 processes; dp fills the rest.
-LAYOUTS = [
+# (tp, pp, cp, zero, schedule, recompute) on 4 or 2 processes; dp fills the
+# rest.
+LAYOUTS_2 = [
+    (1, 1, 1, 0, "1f1b", False),
+    (1, 1, 1, 1, "1f1b", False),
+    (1, 1, 1, 2, "1f1b", False),
+    (2, 1, 1, 0, "1f1b", False),
+    (1, 2, 1, 0, "1f1b", False),
+    (1, 2, 1, 0, "gpipe", False),
+    (1, 2, 1, 0, "interleaved_1f1b", False),
+    (1, 2, 1, 0, "zbv", False),
+    (1, 1, 2, 0, "1f1b", False),
+    (1, 1, 1, 0, "1f1b", True),
+    (2, 1, 1, 0, "1f1b", True),
+    (1, 2, 1, 0, "1f1b", True),
+]
+LAYOUTS_4 = [
     (1, 1, 1, 0, "1f1b", False),
     (1, 1, 1, 1, "1f1b", False),
     (1, 1, 1, 2, "1f1b", False),
@@ -93,10 +109,10 @@ def _measure(rank, world, layout, steps):
     return {"times": times, "model_state_bytes": mine[0].item(), "saved_bytes": mine[1].item()}
 
 
-def _layout(tp, pp, cp, zero, schedule, recompute):
+def _layout(devices, tp, pp, cp, zero, schedule, recompute):
     from dsparallel.plan import Layout
 
-    dp = 4 // (tp * pp * cp)
+    dp = devices // (tp * pp * cp)
     return Layout(
         tp=tp,
         pp=pp,
@@ -144,7 +160,8 @@ def repredict(path: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--devices", type=int, choices=[2, 4], default=4)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument(
         "--repredict", metavar="RESULTS", help="only recompute the predictions of a results file"
@@ -155,20 +172,21 @@ def main():
         return
     from dsparallel.plan.calibrate import calibrate
 
-    cluster = calibrate(4)
+    layouts = LAYOUTS_4 if a.devices == 4 else LAYOUTS_2
+    cluster = calibrate(a.devices)
     print(f"cluster: {dataclasses.asdict(cluster)}")
-    samples = {layout: [] for layout in LAYOUTS}
+    samples = {layout: [] for layout in layouts}
     memory = {}
     for r in range(a.rounds):
-        order = LAYOUTS[r % len(LAYOUTS) :] + LAYOUTS[: r % len(LAYOUTS)]
+        order = layouts[r % len(layouts) :] + layouts[: r % len(layouts)]
         for layout in order:
-            out = run_ranks(_measure, 4, layout, a.steps)
+            out = run_ranks(_measure, a.devices, layout, a.steps)
             samples[layout] += out["times"]
             memory[layout] = out
             print(f"round {r}: {layout}: {sorted(out['times'])[len(out['times']) // 2]:.3f} s")
     rows = []
-    for layout in LAYOUTS:
-        lay = _layout(*layout)
+    for layout in layouts:
+        lay = _layout(a.devices, *layout)
         predicted = _predicted(lay, cluster)
         rows.append(
             {
@@ -184,7 +202,7 @@ def main():
             f"{predicted['time']['total']:.3f} s"
         )
     save(
-        "plan",
+        "plan" if a.devices == 4 else f"plan_{a.devices}",
         rows,
         {
             **vars(a),

@@ -592,18 +592,21 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 def _plan(r):
     cfg, rows = r["config"], r["rows"]
-    c = cfg["cluster"]
+    c, n = cfg["cluster"], cfg.get("devices", 4)
+    cores = r["machine"]["cores"]
+    share = f"{n} ranks on {cores} cores" if n > cores else "a core per rank"
     lines = [
         f"The GPT job (hidden {cfg['model']['hidden']}, {cfg['model']['heads']} heads, "
         f"{cfg['model']['layers']} layers, {cfg['model']['seq_len']} tokens, global batch "
-        f"{cfg['batch']} in {cfg['micro_batches']} micro-batches) at every layout of 4 "
-        "processes, planned by `dsparallel.plan` for this machine as "
-        "`calibrate(4)` measured it (matmul "
+        f"{cfg['batch']} in {cfg['micro_batches']} micro-batches) at every layout of {n} "
+        f"processes ({share}), planned by `dsparallel.plan` for this machine as "
+        f"`calibrate({n})` measured it (matmul "
         f"{max(f for _, f in c['flops_by_size']) / 1e9:.0f} GFLOP/s per rank at best, "
         f"all-reduce {c['intra_bandwidth'] / 1e9:.2f} GB/s, "
         f"{c['op_overhead'] * 1e6:.1f} us per op) and as run: the model state (parameters, "
         "gradients, AdamW) and the activations saved for backward, each the most over the "
-        "ranks, and the step time (slowest rank; median [min-max] of 10 steps in 2 rounds).",
+        "ranks, and the step time (slowest rank; median [min-max] of "
+        f"{cfg['steps'] * cfg['rounds']} steps in {cfg['rounds']} rounds).",
         "",
     ]
     body, predicted, measured = [], [], []
@@ -728,6 +731,7 @@ SECTIONS = [
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
     ("plan", "The split planner against measurement", "plan.py", _plan),
+    ("plan_2", "The split planner, a core per rank", "plan.py --devices 2", _plan),
     ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
     ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
     ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),

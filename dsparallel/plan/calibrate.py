@@ -99,14 +99,32 @@ def _rank(rank: int, world: int, port: int, dtype: str, results) -> None:
     if computing:
         op = _timed(ops) / (3 * chain)  # a forward op, its input and weight gradients
     small, big = torch.zeros(2), torch.zeros(4 * 1024 * 1024)
-    dist.barrier()
-    t_small = _timed_together(lambda: dist.all_reduce(small), 400)
-    t_big = _timed_together(lambda: dist.all_reduce(big), 20)
     steps = 2 * (world - 1)
-    alpha = t_small / max(1, steps)
+    # The latency a step sees: every rank comes to the all-reduce from work
+    # of its own (and, with more ranks than cores, after waiting for a
+    # core), not from a tight loop of all-reduces, which keeps them in step.
+    m = torch.randn(96, 96, dtype=dt)
+
+    def work():
+        for _ in range(8):
+            torch.mm(m, m)
+
+    def work_then_reduce():
+        work()
+        dist.all_reduce(small)
+
+    waits = []
+    for _ in range(3):
+        dist.barrier()
+        alone = _timed_together(work, 200)
+        waits.append(_timed_together(work_then_reduce, 200) - alone)
+    alpha = max(statistics.median(waits), 0.0) / max(1, steps)
+    t_big = statistics.median(_timed_together(lambda: dist.all_reduce(big), 8) for _ in range(3))
     moved = steps / world * big.numel() * big.element_size()
     beta = moved / max(1e-9, t_big - steps * alpha)
-    params = [torch.nn.Parameter(torch.randn(1 << 20, dtype=dt))]
+    # AdamW at a size past the caches, as a model's parameters are: its
+    # step then runs at the memory's speed.
+    params = [torch.nn.Parameter(torch.randn(4 << 20, dtype=dt))]
     params[0].grad = torch.randn_like(params[0])
     opt = torch.optim.AdamW(params, lr=1e-4)
     dist.barrier()

@@ -31,6 +31,7 @@ from .flops import OPS, head_flops, layer_flops, layer_ops, model_flops_per_toke
 from .layout import Layout
 from .memory import model_state
 from .model import Model, rank_tensors, read_model
+from .shared_cores import step_time
 
 KINDS = ("dp", "tp", "pp", "ep", "cp")
 
@@ -268,6 +269,7 @@ def estimate(
     for k in ("tp", "cp", "ep", "pp"):
         comm[k] *= lay.micro_batches * per_rank_stages / lay.num_stages
     us = 1e6
+    schedule = None
     if lay.pp == 1 and lay.per_rank == 1:
         f, i, w = costs[0]
         pipeline = lay.micro_batches * (f + i + w)
@@ -332,13 +334,15 @@ def estimate(
     total = pipeline + grads_time + optimizer
     bubble = max(0.0, pipeline - busy)
     sharing = 0.0
-    shared = _shared_cores(lay, cluster, costs, grads_time + optimizer)
-    if shared > total:
-        # More ranks than cores: a rank waiting in the bubble lends its core
-        # to the others, and the host's work over its cores bounds the step.
-        bubble = max(0.0, bubble - (shared - total))
-        total = shared
+    cores = cluster.cores_per_host
+    if cores and cluster.devices_per_host > cores:
+        # More ranks than cores: they take turns on the cores (shared_cores).
+        total = step_time(
+            schedule, lay, costs, grads_time + optimizer, cores, cluster.devices_per_host
+        )
         sharing = total - (pure + exposed_inside + grads_time + bubble + optimizer)
+        if sharing < 0:  # a rank waiting in the bubble lent its core
+            bubble = max(0.0, bubble + sharing)
     time = {
         "compute": pure,
         "comm": exposed_inside + grads_time,
@@ -351,17 +355,3 @@ def estimate(
     tokens_per_s = tokens / total
     mfu = tokens_per_s * model_flops_per_token(m, seq_len) / (cluster.devices * cluster.flops)
     return Estimate(lay, worst, comm, time, tokens_per_s, mfu, fits)
-
-
-def _shared_cores(lay: Layout, cluster: Cluster, costs, after: float) -> float:
-    """Seconds a host's ranks need for their work (their stages' costs for
-    every micro-batch, the gradients' reduction and the optimizer) when
-    they share ``cores_per_host`` cores; 0 when every device has its own."""
-    cores, ranks = cluster.cores_per_host, cluster.devices_per_host
-    if not cores or ranks <= cores:
-        return 0.0
-    per_rank = [
-        lay.micro_batches * sum(sum(costs[s]) for s in lay.stages_of(r)) + after
-        for r in range(lay.pp)
-    ]
-    return ranks * sum(per_rank) / len(per_rank) / cores

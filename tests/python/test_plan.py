@@ -422,3 +422,40 @@ def test_the_command_printed_for_a_gpt_runs_the_planned_model(tmp_path, capsys, 
     for kind in ("params", "grads", "optimizer"):
         mib = float(re.search(rf"{kind} ([\d.]+) MiB", held).group(1))
         assert mib == round(rows[0].memory[kind] / 2**20, 2), (best, held, rows[0].memory)
+
+
+@pytest.mark.parametrize(
+    "name,pp,m,per_rank",
+    [
+        ("gpipe", 4, 4, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved_1f1b", 2, 4, 2),
+        ("zbv", 2, 4, 2),
+        ("zb1p", 3, 6, 1),
+        ("dualpipev", 2, 4, 2),
+    ],
+)
+def test_shared_cores_simulation_agrees_with_the_schedules_own(name, pp, m, per_rank):
+    """With a core per rank the Python simulation of a step on shared cores
+    takes the C++ simulator's makespan (stage costs of their own); with one
+    core for the host it takes all the work, one action after another; with
+    two ranks to a core, no more than that and no less than half."""
+    from dsparallel.pipeline.schedule import get_schedule
+    from dsparallel.plan import Layout
+    from dsparallel.plan.shared_cores import step_time
+
+    stages = pp * per_rank
+    sched = get_schedule(name, stages, m, per_rank)
+    costs = [(3 + s % 2, 4 + s % 3, 2 + s) for s in range(stages)]
+    whole = [(f, i + w, i, w) for f, i, w in costs]
+    makespan = sched.validate(whole).makespan
+    lay = Layout(pp=pp, dp=2, schedule=name, stages_per_rank=per_rank, micro_batches=m)
+    assert step_time(
+        sched, lay, costs, 5.0, cores=2 * pp, devices_per_host=2 * pp
+    ) == pytest.approx(makespan + 5.0)
+    work = 2 * (m * sum(sum(c) for c in costs) + 5.0 * pp)
+    assert step_time(sched, lay, costs, 5.0, cores=1, devices_per_host=2 * pp) == pytest.approx(
+        work
+    )
+    half = step_time(sched, lay, costs, 5.0, cores=pp, devices_per_host=2 * pp)
+    assert work / pp <= half + 1e-9 and half <= work
