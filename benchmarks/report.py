@@ -642,12 +642,15 @@ def _plan(r):
     )
     best_planned = min(range(len(rows)), key=lambda i: predicted[i])
     best = min(measured)
+    under = sorted(p / m for p, m in zip(predicted, measured))
     lines += [
         "",
         f"Spearman's rho between the planned and the measured step times: "
         f"{_spearman(predicted, measured):.2f} over {len(rows)} layouts. The planned best "
         f"({body[best_planned][0]}) measured {measured[best_planned] * 1e3:.0f} ms, "
-        f"{measured[best_planned] / best:.2f}x the measured best ({best * 1e3:.0f} ms).",
+        f"{measured[best_planned] / best:.2f}x the measured best ({best * 1e3:.0f} ms). "
+        f"Planned over measured step time: {under[len(under) // 2]:.2f} "
+        f"[{under[0]:.2f}-{under[-1]:.2f}].",
         "",
     ]
     return lines
@@ -730,8 +733,13 @@ SECTIONS = [
     ("models", "Llama and DeepSeek-V3", "models.py", _models),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
-    ("plan", "The split planner against measurement", "plan.py", _plan),
-    ("plan_2", "The split planner, a core per rank", "plan.py --devices 2", _plan),
+    (
+        "plan_2",
+        "The split planner against measurement: a core per rank",
+        "plan.py --devices 2",
+        _plan,
+    ),
+    ("plan", "The split planner against measurement: 4 ranks on 2 cores", "plan.py", _plan),
     ("call_cpu", "Where a small call's time goes", "call_cpu.py", _call_cpu),
     ("core_latency", "The C++ core against Open MPI", "core_latency.py", _core_latency),
     ("shm_size", "Shared memory per group", "shm_size.py", _shm_size),

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,75 @@ def build_model(spec: str, state, args):
     return CLASSES[kind](config, state, seed=args.seed, **kwargs)
 
 
+@dataclass
+class Trainer:
+    """One training step of a ``CausalLM`` at its layout: ``backward(rows)``
+    runs forward and backward of this data-parallel rank's ``rows`` (under
+    a pipeline, the 1F1B schedule) and returns the losses this rank
+    computed (none on a pipeline's other stages); ``step(rows)`` adds the
+    tied embeddings' reduction and the optimizer's step."""
+
+    model: object
+    opt: object
+    ddps: list  # the DistributedDataParallel wrappers (one, or none)
+    schedule: object = None  # the pipeline's, or None
+    runner: object = None  # what runs forward without a pipeline
+
+    def backward(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        losses = []
+        if self.schedule is None:
+            loss = self.runner(rows, labels=rows).loss
+            loss.backward()
+            losses.append(loss.detach())
+        elif self.model.is_first:
+            self.schedule.step(rows, target=rows if self.model.is_last else None)
+        else:
+            self.schedule.step(target=rows, losses=losses)
+        return losses
+
+    def step(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        losses = self.backward(rows)
+        self.model.allreduce_tied_grads()
+        self.opt.step()
+        self.opt.zero_grad()
+        return losses
+
+
+def make_trainer(model, state, zero_stage: int, micro_batches: int, lr: float) -> Trainer:
+    """``model`` (built for ``init_parallel``'s ``state``) trained with AdamW:
+    its gradients averaged over the data- and context-parallel ranks by our
+    DDP (stage 2: reduce-scattered), ZeRO stage 1/2 sharding AdamW's state
+    over them, 1F1B over ``micro_batches`` under a pipeline. A model
+    already sharded by torch's FSDP2 (``fully_shard``) is trained as it is."""
+    replicas = state.dp_cp_group  # the ranks holding the same parameters
+    ddps = []
+
+    def wrap(module):
+        ddps.append(
+            dsparallel.DistributedDataParallel(
+                module, process_group=replicas, zero_stage=2 if zero_stage == 2 else 0
+            )
+        )
+        return ddps[-1]
+
+    fsdp = hasattr(model, "unshard")
+    wrapped = not fsdp and (replicas.size() > 1 or zero_stage == 2)
+    schedule = runner = None
+    if state.pp_size > 1:
+        stage = model.pipeline_stage(wrap=wrap if wrapped else None)
+        schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=model.loss_fn)
+    else:
+        runner = wrap(model) if wrapped else model
+    params = [q for q in model.parameters() if q.requires_grad]
+    if zero_stage:
+        opt = dsparallel.ZeroRedundancyOptimizer(
+            params, torch.optim.AdamW, process_group=replicas, lr=lr
+        )
+    else:
+        opt = torch.optim.AdamW(params, lr=lr)
+    return Trainer(model, opt, ddps, schedule, runner)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama", help="llama, deepseek_v3, a directory or a config")
@@ -132,27 +202,8 @@ def main() -> None:
     )
     rank = dist.get_rank()
     model = build_model(args.model, state, args)
-    replicas = state.dp_cp_group  # the ranks holding the same parameters
-
-    def wrap(module):
-        return dsparallel.DistributedDataParallel(
-            module, process_group=replicas, zero_stage=2 if args.zero_stage == 2 else 0
-        )
-
-    wrapped = replicas.size() > 1 or args.zero_stage == 2
-    schedule = runner = None
-    if state.pp_size > 1:
-        stage = model.pipeline_stage(wrap=wrap if wrapped else None)
-        schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=model.loss_fn)
-    else:
-        runner = wrap(model) if wrapped else model
-    params = [q for q in model.parameters() if q.requires_grad]
-    if args.zero_stage:
-        opt = dsparallel.ZeroRedundancyOptimizer(
-            params, torch.optim.AdamW, process_group=replicas, lr=args.lr
-        )
-    else:
-        opt = torch.optim.AdamW(params, lr=args.lr)
+    trainer = make_trainer(model, state, args.zero_stage, args.micro_batches, args.lr)
+    opt = trainer.opt
     first = 0
     if args.resume:
         dsparallel.load_checkpoint(args.resume, model, opt)
@@ -171,18 +222,7 @@ def main() -> None:
     for step in range(first, first + args.steps):
         ids, _ = batch(corpus, step, args.batch_size, args.seq_len)
         rows = ids.chunk(state.dp_size)[state.dp_rank]  # cp ranks: the same rows
-        mine = []
-        if schedule is None:
-            loss = runner(rows, labels=rows).loss
-            loss.backward()
-            mine.append(loss.detach())
-        elif model.is_first:
-            schedule.step(rows, target=rows if model.is_last else None)
-        else:
-            schedule.step(target=rows, losses=mine)
-        model.allreduce_tied_grads()
-        opt.step()
-        opt.zero_grad()
+        mine = trainer.step(rows)
         # The mean over the data-parallel replicas (the last stage holds it).
         value = torch.stack(mine).mean() if mine else torch.zeros(())
         value = value.double().reshape(1)

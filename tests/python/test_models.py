@@ -20,10 +20,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import pytest
 import torch
 from dist_utils import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LOGITS_TOL = 1e-5
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -529,17 +532,20 @@ def _batches():
 
 
 def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False):
-    """(model, step function) at one layout, fp64 (so that layouts differ
-    by rounding only), AdamW, ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's
-    FSDP2 over the data-parallel ranks, per decoder layer and the root),
-    context parallelism ``cp`` (gradients reduced over dp x cp)."""
+    """(model, optimizer, step function) at one layout as examples/train_hf.py
+    trains it (``make_trainer``), fp64 (so that layouts differ by rounding
+    only), ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's FSDP2 over the
+    data-parallel ranks, per decoder layer and the root), context
+    parallelism ``cp`` (gradients reduced over dp x cp). The step returns
+    the mean loss over the ranks that computed one."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from train_hf import make_trainer
+
     import dsparallel
     from dsparallel.models import from_pretrained
-    from dsparallel.pipeline import Schedule1F1B
 
     state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
     model = from_pretrained(path, state, dtype=torch.float64, checkpoint=recompute, cp_mode=cp_mode)
-    replicas = state.dp_cp_group
     if zero == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -547,48 +553,16 @@ def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False):
             fully_shard(layer, mesh=state.mesh["dp"])
         fully_shard(model, mesh=state.mesh["dp"])
         zero = 0
-
-    def wrap(m):
-        return dsparallel.DistributedDataParallel(
-            m, process_group=replicas, zero_stage=2 if zero == 2 else 0
-        )
-
-    fsdp = hasattr(model, "unshard")
-    runner = model if fsdp or (replicas.size() == 1 and zero < 2) else None
-    schedule = None
-    if pp > 1:
-        stage = model.pipeline_stage(wrap=None if runner is model else wrap)
-        schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=model.loss_fn)
-    elif runner is None:
-        runner = wrap(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if zero:
-        opt = dsparallel.ZeroRedundancyOptimizer(
-            params, torch.optim.AdamW, process_group=replicas, lr=1e-2
-        )
-    else:
-        opt = torch.optim.AdamW(params, lr=1e-2)
+    trainer = make_trainer(model, state, zero, micro_batches=2, lr=1e-2)
 
     def step(batch):
-        rows = batch.chunk(state.dp_size)[state.dp_rank]
-        losses = []
-        if schedule is None:
-            loss = runner(rows, labels=rows).loss
-            loss.backward()
-            losses.append(loss.detach())
-        elif model.is_first:
-            schedule.step(rows, target=rows if model.is_last else None)
-        else:
-            schedule.step(target=rows, losses=losses)
-        model.allreduce_tied_grads()
-        opt.step()
-        opt.zero_grad()
+        losses = trainer.step(batch.chunk(state.dp_size)[state.dp_rank])
         mine = torch.stack(losses).mean().item() if losses else None
         every = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, mine)
         return sum(v for v in every if v is not None) / sum(v is not None for v in every)
 
-    return model, opt, step
+    return model, trainer.opt, step
 
 
 def _resume_body(rank, world, path, before, after, ckpt):

@@ -141,11 +141,12 @@ HF_LAYOUTS = [
 
 
 def _hf_body(rank, world, layouts):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from test_models import MODELS
+    from train_hf import make_trainer
 
     import dsparallel
     from dsparallel.models import DeepseekV3, Llama
-    from dsparallel.pipeline import Schedule1F1B
     from dsparallel.plan.activations import activation_bytes
     from dsparallel.plan.layout import Layout
     from dsparallel.plan.measure import SavedTensors, held
@@ -166,40 +167,12 @@ def _hf_body(rank, world, layouts):
             sequence_parallel=sp,
             checkpoint=recompute,
         )
-        replicas = state.dp_cp_group
-        ddps = []
-
-        def wrap(m, zero=zero, replicas=replicas, ddps=ddps):
-            ddps.append(
-                dsparallel.DistributedDataParallel(
-                    m, process_group=replicas, zero_stage=2 if zero == 2 else 0
-                )
-            )
-            return ddps[-1]
-
-        wrapped = replicas.size() > 1
-        if pp > 1:
-            stage = model.pipeline_stage(wrap=wrap if wrapped else None)
-            schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=model.loss_fn)
-        else:
-            runner = wrap(model) if wrapped else model
-        params = list(model.parameters())
-        if zero:
-            opt = dsparallel.ZeroRedundancyOptimizer(
-                params, torch.optim.AdamW, process_group=replicas, lr=1e-3
-            )
-        else:
-            opt = torch.optim.AdamW(params, lr=1e-3)
+        trainer = make_trainer(model, state, zero, micro_batches=2, lr=1e-3)
         ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(0))
         with SavedTensors(model) as saved:
-            if pp == 1:
-                runner(ids, labels=ids).loss.backward()
-            elif model.is_first:
-                schedule.step(ids)
-            else:
-                schedule.step(target=ids, losses=[])
-        opt.step()
-        measured = held(model, opt, ddps)
+            trainer.backward(ids)
+        trainer.opt.step()
+        measured = held(model, trainer.opt, trainer.ddps)
         lay = Layout.of(
             state,
             zero=zero,
