@@ -7,21 +7,14 @@ parameter."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
+from ..spawn import run_ranks
 from .cluster import Cluster
 
 SIZES = (64, 128, 256, 512, 1024)  # matmul sizes measured (n x n x n)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn, seconds: float = 0.5) -> float:
@@ -54,14 +47,8 @@ def _timed_together(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def _rank(rank: int, world: int, port: int, dtype: str, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+def _rank(rank: int, world: int, dtype: str) -> list | None:
+    """This rank's measurements; rank 0 returns every rank's."""
     import torch
     import torch.distributed as dist
 
@@ -130,33 +117,16 @@ def _rank(rank: int, world: int, port: int, dtype: str, results) -> None:
     dist.barrier()
     if computing:
         per_param = _timed(opt.step) / params[0].numel()
+    rows = [None] * world
+    dist.all_gather_object(rows, (rank, flops, op, alpha, beta, per_param, bandwidth, table))
     dist.destroy_process_group()
-    results.put((rank, flops, op, alpha, beta, per_param, bandwidth, table))
+    return rows if rank == 0 else None
 
 
 def calibrate(devices: int = 4, dtype: str = "float32", path: str | None = None) -> Cluster:
     """Measures this machine with ``devices`` ranks at once; writes the
     cluster to ``path`` (JSON) if given."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, devices, port, dtype, results)) for r in range(devices)
-    ]
-    for p in procs:
-        p.start()
-    rows = []
-    while len(rows) < devices:
-        try:
-            rows.append(results.get(timeout=1))
-        except Exception:  # queue.Empty: check that every rank still runs
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"calibrate: a rank exited with {dead[0]}") from None
-    for p in procs:
-        p.join()
+    rows = run_ranks(_rank, devices, dtype)
     comm = list(zip(*rows))
     alpha, beta = statistics.median(comm[3]), statistics.median(comm[4])
     own = list(zip(*[r for r in rows if r[1] is not None]))

@@ -432,3 +432,36 @@ def test_shared_cores_simulation_agrees_with_the_schedules_own(name, pp, m, per_
     )
     half = step_time(sched, lay, costs, 5.0, cores=pp, devices_per_host=2 * pp)
     assert work / pp <= half + 1e-9 and half <= work
+
+
+def test_calibrate_measures_this_machine(tmp_path):
+    """``python -m dsparallel.plan calibrate`` starts its ranks
+    (``dsparallel.spawn``), measures every figure a cluster needs, and
+    writes a file the planner reads; ranks beyond the cores are stated."""
+    from dsparallel.plan import read_cluster
+    from dsparallel.plan.__main__ import main
+
+    path = tmp_path / "this.json"
+    assert main(["calibrate", "--devices", "2", "--out", str(path)]) == 0
+    c = read_cluster(str(path))
+    assert c.devices == 2 and c.hosts == 1
+    for name in ("flops", "intra_bandwidth", "intra_latency", "op_overhead", "memory_bandwidth"):
+        assert getattr(c, name) > 0, name
+    assert c.optimizer_per_param > 0 and len(c.flops_by_size) == 5
+    cores = os.cpu_count()
+    assert c.cores_per_host == (cores if cores < 2 else 0)
+
+
+def _fails(rank, world):
+    if rank == 1:
+        raise SystemExit(3)
+    import time
+
+    time.sleep(60)
+
+
+def test_spawned_ranks_that_die_are_named():
+    from dsparallel.spawn import run_ranks
+
+    with pytest.raises(RuntimeError, match=re.escape("(rank, exit code): [(1, 3)]")):
+        run_ranks(_fails, 2)
