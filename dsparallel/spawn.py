@@ -24,7 +24,10 @@ def free_port() -> int:
 
 
 def rank_env(rank: int, world: int, port: int) -> None:
-    """This process's environment as rank ``rank`` of ``world``."""
+    """This process's environment as rank ``rank`` of ``world``, with one
+    thread."""
+    import torch
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -32,6 +35,10 @@ def rank_env(rank: int, world: int, port: int) -> None:
         WORLD_SIZE=str(world),
         OMP_NUM_THREADS="1",
     )
+    # This module's package imported torch before the variable was set,
+    # which torch reads once: ranks sharing the cores would each start as
+    # many threads as there are cores.
+    torch.set_num_threads(1)
 
 
 def wait_result(results, procs):
