@@ -63,37 +63,37 @@ def step_time(
         last = schedule.num_stages - 1
     for program in programs:
         program.append(("tail", -1, -1))
-    work = {"F": lambda s: costs[s][0], "I": lambda s: costs[s][1], "W": lambda s: costs[s][2]}
-    work["B"] = lambda s: costs[s][1] + costs[s][2]
-    work["tail"] = lambda s: tail
-    loads = _host_loads(lay, devices_per_host)
 
+    def cost(action) -> float:
+        kind, stage, _ = action
+        if kind == "tail":
+            return tail
+        f, i, w = costs[stage]
+        return {"F": f, "I": i, "W": w, "B": i + w}[kind]
+
+    loads = _host_loads(lay, devices_per_host)
     pos = [0] * len(programs)
-    left = [work[p[0][0]](p[0][1]) for p in programs]
+    left = [cost(p[0]) for p in programs]
     done: set[tuple[str, int, int]] = set()
     now = 0.0
     while True:
-        running = []
-        for r, program in enumerate(programs):
-            if pos[r] == len(program):
-                continue
-            kind, stage, mb = program[pos[r]]
-            if all(need in done for need in _needs(kind, stage, mb, last)):
-                running.append(r)
+        running = [
+            r
+            for r, program in enumerate(programs)
+            if pos[r] < len(program)
+            and all(need in done for need in _needs(*program[pos[r]], last))
+        ]
         if not running:
             if all(pos[r] == len(p) for r, p in enumerate(programs)):
                 return now
-            raise RuntimeError(
-                "plan: the schedule's simulation is stuck"
-            )  # validated schedules are not
-        rate = {}
-        for r in running:
-            share = 1.0
-            for host in loads:
-                if host[r]:
-                    busy = sum(host[q] for q in running)
-                    share = min(share, cores / busy)
-            rate[r] = min(1.0, share)
+            # Validated schedules never get here.
+            raise RuntimeError("plan: the schedule's simulation is stuck")
+        # Each host shares its cores among its ranks that can run; a
+        # pipeline rank spread over hosts goes at its slowest host's pace.
+        busy = [sum(host[q] for q in running) for host in loads]
+        rate = {
+            r: min([1.0] + [cores / n for host, n in zip(loads, busy) if host[r]]) for r in running
+        }
         dt = min(left[r] / rate[r] for r in running)
         now += dt
         for r in running:
@@ -105,5 +105,4 @@ def step_time(
                     done.add(("BI", stage, mb))
                 pos[r] += 1
                 if pos[r] < len(programs[r]):
-                    nxt = programs[r][pos[r]]
-                    left[r] = work[nxt[0]](nxt[1])
+                    left[r] = cost(programs[r][pos[r]])
