@@ -185,6 +185,11 @@ def get_parallel_state() -> ParallelState:
     return _state
 
 
+def parallel_state_or_none() -> ParallelState | None:
+    """The layout ``init_parallel`` made, or None before it."""
+    return _state
+
+
 def destroy_parallel() -> None:
     """Forgets the layout (and destroys the default process group if
     ``init_parallel`` created it)."""

@@ -13,7 +13,10 @@ asks for the blocks of the new layout, and DCP reads what overlaps them.
 
 The optimizer's per-element state (Adam's moments) has its parameter's
 shape, so it is cut by the same map, under ``optim.<name>.<state>``;
-``optim.step`` is the step count. A ``ZeroRedundancyOptimizer`` first
+``optim.step`` is the step count. A half-precision parameter that a
+``ZeroRedundancyOptimizer`` steps through an fp32 master copy has that copy
+saved too (``optim.<name>.master``), so that a resumed run continues from
+the masters, not from the rounded parameters. A ``ZeroRedundancyOptimizer`` first
 gathers each parameter's state from the slices of its data-parallel
 group (so a rank holds its parameters' whole state while saving or
 loading, not only its slice: the price of a layout-free format, paid at
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .models.hf_map import Piece, materialize, split
-from .zero import ZeroRedundancyOptimizer
+from .zero import MASTER, ZeroRedundancyOptimizer
 
 
 def _unwrap(model):
@@ -78,8 +81,9 @@ def _entries(model):
 
 
 def _state_dtype(t: torch.Tensor) -> torch.dtype:
-    """The optimizer state's dtype: the parameter's, fp32 for half precision
-    (ZeRO's fp32 master slices)."""
+    """The dtype the optimizer state is read in: the parameter's, fp32 for
+    half precision (ZeRO's fp32 master slices and their moments; a plain
+    optimizer's half-precision moments are cast back exactly)."""
     return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
 
 
@@ -141,7 +145,10 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
             ask(f"model.{piece.key}", piece, t.dtype)
             if optimizer is not None and t.requires_grad:
                 for kind in kinds:
-                    ask(f"optim.{piece.key}.{kind}", piece, _state_dtype(t))
+                    name = f"optim.{piece.key}.{kind}"
+                    if kind == MASTER and name not in saved:
+                        continue  # a parameter saved in full precision has none
+                    ask(name, piece, _state_dtype(t))
     if optimizer is not None:
         wanted["optim.step"] = torch.zeros((), dtype=torch.float64)
     dcp.load(wanted, checkpoint_id=path)
@@ -153,7 +160,9 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
         t.copy_(materialize(node, lambda p: local[f"model.{p.key}"]))
         if optimizer is not None and t.requires_grad:
             entry = {
-                k: materialize(node, lambda p, k=k: local[f"optim.{p.key}.{k}"]) for k in kinds
+                k: materialize(node, lambda p, k=k: local[f"optim.{p.key}.{k}"])
+                for k in kinds
+                if k != MASTER or all(f"optim.{p.key}.{k}" in local for p, _ in split(node, t))
             }
             entry["step"] = torch.tensor(float(wanted["optim.step"]), dtype=torch.float32)
             states[t] = entry
@@ -162,7 +171,10 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.load_param_states(states)
     else:
+        # A plain optimizer keeps its state in the parameter's dtype (bf16
+        # moments under a pure-bf16 model) and has no master copy.
         for p, entry in states.items():
-            optimizer.state[p] = entry
+            entry.pop(MASTER, None)
+            optimizer.state[p] = {k: v.to(p.dtype) if k != "step" else v for k, v in entry.items()}
     if dist.is_initialized():
         dist.barrier()

@@ -37,9 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .parallel_state import expert_dp_group_of, get_parallel_state
+from .parallel_state import expert_dp_group_of, get_parallel_state, parallel_state_or_none
 
 _FULL_PRECISION = (torch.float32, torch.float64)
+# param_states' name for the fp32 master copy of a half-precision parameter.
+MASTER = "master"
 # torch 2.13 renamed all_gather_into_tensor (still an alias there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -129,7 +131,7 @@ class ShardedBuffer:
         if not rebound and self.param_versions() == self.versions:
             return
         for piece in self.pieces:
-            if piece.param.data_ptr() != piece.view().data_ptr():
+            if piece.has_master:
                 piece.param.copy_(piece.view())
         self.versions = self.param_versions()
 
@@ -163,11 +165,35 @@ class ShardedBuffer:
                 out[a - self.lo : b - self.lo] = p.grad.reshape(-1)[a - o : b - o]
         return out
 
+    def param_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """Stage 2: parameter ``p``'s whole averaged gradient, pieced
+        together from every rank's shard (one all-reduce over the group):
+        for the few parameters whose gradient must meet another's (tied
+        copies on two pipeline stages)."""
+        k = self._index(p)
+        o, (a, b) = self.offsets[k], self.overlap(k)
+        full = torch.zeros(self.numels[k], dtype=self.grad_shard.dtype, device=self.flat.device)
+        if a < b:
+            full[a - o : b - o] = self.grad_shard[a - self.lo : b - self.lo]
+        dist.all_reduce(full, group=self.group)
+        return full.view_as(p)
+
+    def set_param_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Stage 2: this rank's shard takes its part of ``grad``, a whole
+        gradient of parameter ``p``."""
+        k = self._index(p)
+        o, (a, b) = self.offsets[k], self.overlap(k)
+        if a < b:
+            self.grad_shard[a - self.lo : b - self.lo] = grad.reshape(-1)[a - o : b - o]
+
+    def _index(self, p: torch.Tensor) -> int:
+        return next(k for k, q in enumerate(self.params) if q is p)
+
     def start_gather(self) -> None:
         """Writes the master copies into the buffer and starts the all-gather
         over its group that gives every rank the updated parameters."""
         for piece in self.pieces:
-            if piece.param.data_ptr() != piece.view().data_ptr():
+            if piece.has_master:
                 piece.view().copy_(piece.param)  # fp32 master -> the half-precision buffer
         self.pending = _all_gather(
             self.flat, self.flat[self.lo : self.hi], group=self.group, async_op=True
@@ -193,6 +219,11 @@ class _Piece:
         view = self.view()
         data = view if buffer.dtype in _FULL_PRECISION else view.detach().float()
         self.param = torch.nn.Parameter(data, requires_grad=True)
+
+    @property
+    def has_master(self) -> bool:
+        """Whether the optimizer steps an fp32 copy of a half-precision slice."""
+        return self.param.data_ptr() != self.view().data_ptr()
 
     @property
     def source(self) -> torch.Tensor:
@@ -408,7 +439,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         all-reduce; returns the total norm. Call it between backward and step
         (instead of ``torch.nn.utils.clip_grad_norm_``, which under stage 2
         finds no ``.grad``, and under stage 1 computes the same norm from the
-        whole gradients at N times the work)."""
+        whole gradients at N times the work).
+
+        The parameters must be the whole model on every rank of the group:
+        under tensor or pipeline parallelism each rank holds another part
+        of it, whose norm this cannot weigh, and it refuses; the models'
+        ``model.clip_grad_norm_(max_norm, optimizer=this)`` counts every
+        part once."""
+        self._check_whole_model("clip_grad_norm_")
         norm_type = float(norm_type)
         inf = norm_type == float("inf")
         device = self._buffers[0].flat.device if self._buffers else torch.device("cpu")
@@ -434,12 +472,38 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         total = torch.maximum(dense, expert) if inf else (dense + expert).pow(1.0 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1:
+            self.scale_grad_shards_(coef)
             for b in self._buffers:
-                if b.grad_shard is not None:
-                    b.grad_shard.mul_(coef)
-                else:  # stage 1: every rank keeps the whole gradient
+                if b.grad_shard is None:  # stage 1: every rank keeps the whole gradient
                     torch._foreach_mul_([p.grad for p in b.params if p.grad is not None], coef)
         return total
+
+    def owned_grads(self) -> dict[int, list[tuple[tuple[int, int], torch.Tensor]]]:
+        """Per model parameter (by id): the gradients of its parts in this
+        rank's slices, each with its range in the flattened parameter. For
+        a norm over a model split other ways too (``model.clip_grad_norm_``)."""
+        out: dict[int, list] = {}
+        for piece, g in self._grads():
+            if g is not None:
+                out.setdefault(id(piece.source), []).append((piece.range, g))
+        return out
+
+    def scale_grad_shards_(self, coef: float) -> None:
+        """Multiplies stage 2's gradient shards (no ``.grad``) by ``coef``."""
+        for b in self._buffers:
+            if b.grad_shard is not None:
+                b.grad_shard.mul_(coef)
+
+    def _check_whole_model(self, what: str) -> None:
+        state = parallel_state_or_none()
+        if state is not None and (state.tp_size > 1 or state.pp_size > 1):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.{what}: under tensor or pipeline parallelism "
+                f"(tp {state.tp_size}, pp {state.pp_size}) every rank holds another part of the "
+                "model, and the norm of its own part is not the model's: call the model's "
+                "clip_grad_norm_(max_norm, optimizer=...) (dsparallel.models), which counts "
+                "every part once"
+            )
 
     # -- checkpoints --------------------------------------------------------
 
@@ -560,6 +624,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 local = self._inner.state.get(piece.param)
                 if local:
                     entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in local.items()}
+                    if piece.has_master:
+                        entry[MASTER] = piece.param.detach().clone()
                     mine.append((piece.k, piece.range, entry))
             every = [None] * dist.get_world_size(buffer.group)
             dist.all_gather_object(every, mine, group=buffer.group)
@@ -578,20 +644,30 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for p, entry in out.items()
         }
 
+    @torch.no_grad()
     def load_param_states(self, states: dict[torch.Tensor, dict]) -> None:
         """The inverse of ``param_states``: each of this rank's slices takes
-        its part of its parameter's whole state."""
+        its part of its parameter's whole state, and a half-precision
+        slice's fp32 master copy its saved value (not one rebuilt from the
+        rounded parameter). Call it after the parameters were loaded."""
         for piece in self._pieces:
-            entry = states.get(piece.source)
+            entry = dict(states.get(piece.source) or {})
+            master = entry.pop(MASTER, None)
             if not entry:
                 continue
             a, b = piece.range
+            if master is not None and piece.has_master:
+                piece.param.copy_(master.reshape(-1)[a:b])
             self._inner.state[piece.param] = {
                 k: v.reshape(-1)[a:b].to(piece.param.dtype).clone()
                 if _per_element(v)
                 else (v.clone() if torch.is_tensor(v) else v)
                 for k, v in entry.items()
             }
+        for buffer in self._buffers:
+            # The parameters were written by the loader, the masters above:
+            # the next step must not rebuild the masters from the parameters.
+            buffer.versions = buffer.param_versions()
         self._consolidated = None
 
     def load_state_dict(self, state_dict) -> None:

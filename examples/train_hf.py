@@ -115,7 +115,10 @@ class Trainer:
     def backward(self, rows: torch.Tensor) -> list[torch.Tensor]:
         losses = []
         if self.schedule is None:
-            loss = self.runner(rows, labels=rows).loss
+            # The mean over every label of the global batch, however the
+            # data-parallel ranks' rows divide them (the schedule counts them itself).
+            n = self.model.count_items([rows])
+            loss = self.runner(rows, labels=rows, num_items_in_batch=n).loss
             loss.backward()
             losses.append(loss.detach())
         elif self.model.is_first:

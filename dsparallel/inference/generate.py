@@ -24,6 +24,8 @@ finished, as ``transformers``' early stop leaves it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -51,7 +53,21 @@ def generate(
     model = getattr(model, "module", model)
     lay = model.layout
     _check(model, input_ids, attention_mask, max_new_tokens)
-    _wide_weights_column_major(model)
+    with _wide_weights_column_major(model):
+        return _generate(
+            model,
+            input_ids,
+            max_new_tokens,
+            attention_mask,
+            eos_token_id,
+            pad_token_id,
+            _Sampler(do_sample, temperature, top_k, top_p, generator, lay),
+        )
+
+
+def _generate(
+    model, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id, sampler
+):
     b, p = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     if max_new_tokens == 0:
@@ -62,25 +78,35 @@ def generate(
     full_mask = torch.cat([mask, mask.new_ones(b, max_new_tokens)], dim=1)
     positions = (full_mask.cumsum(-1) - 1).masked_fill_(full_mask == 0, 1)
     cache = KVCache(model, b, p + max_new_tokens, model._dtype())
-    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, lay)
     stop = _Stop(eos, pad_token_id, b)
     # Without padding the layers take no mask: the fused attention kernels.
     keys = full_mask if not bool(mask.all()) else None
     job = (model, input_ids, keys, positions, cache, sampler, stop, max_new_tokens)
-    new = _run_local(*job) if lay.pp_size == 1 else _run_pipelined(*job)
+    new = _run_local(*job) if model.layout.pp_size == 1 else _run_pipelined(*job)
     return torch.cat([input_ids, new[:, : stop.length(new)]], dim=1)
 
 
-@torch.no_grad()
-def _wide_weights_column_major(model) -> None:
-    """Stores each weight with more outputs than inputs (the fused gate/up,
-    the LM head's vocabulary slice, ...) column-major, once: the same
-    values and shape, but a decode step's matrix-vector products over them
-    ran ~30% faster on the CPU (MKL reads ``x @ W.t()`` row by row then).
-    Weights with fewer outputs than inputs were faster as they are."""
-    for p in model.parameters():
-        if p.dim() == 2 and p.shape[0] > p.shape[1] and p.stride(1) != p.shape[0]:
-            p.data = p.data.t().contiguous().t()
+@contextlib.contextmanager
+def _wide_weights_column_major(model):
+    """While generating, each weight with more outputs than inputs (the
+    fused gate/up, the LM head's vocabulary slice, ...) is read from a
+    column-major copy: the same values and shape, but a decode step's
+    matrix-vector products over them ran ~30% faster on the CPU (MKL reads
+    ``x @ W.t()`` row by row then). Weights with fewer outputs than inputs
+    were faster as they are. The model gets its own storage back at the
+    end (it may be a view into a ZeRO buffer or be trained on), at the
+    price of holding both copies of those weights while generating."""
+    swapped = []
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and p.shape[0] > p.shape[1] and p.stride(1) != p.shape[0]:
+                swapped.append((p, p.data))
+                p.data = p.data.t().contiguous().t()
+    try:
+        yield
+    finally:
+        for p, original in swapped:
+            p.data = original
 
 
 def _check(model, input_ids, attention_mask, max_new_tokens) -> None:

@@ -147,10 +147,14 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         return_logits: bool | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> CausalLMOutput:
         """As ``transformers``' causal LM forward: ``input_ids`` [batch,
         seq], ``attention_mask`` [batch, seq] (1 keeps a token; left or
-        right padding), ``position_ids`` by default 0..seq-1. The logits
+        right padding), ``position_ids`` by default 0..seq-1,
+        ``num_items_in_batch`` as ``loss_fn``'s (gradient accumulation with
+        a per-token loss: ``count_items`` of every accumulation step's
+        labels). The logits
         are gathered over tensor parallelism only when returned
         (``return_logits``, by default when no labels are given); the loss
         never needs them gathered.
@@ -188,9 +192,11 @@ class CausalLM(nn.Module):
             )
         if lay.pp_size == 1:
             h = self.run_layers(self.embed(input_ids), position_ids, mask)
-            return self._output(h, labels, return_logits)
+            return self._output(h, labels, return_logits, num_items_in_batch)
         with torch.no_grad():
-            return self._pipelined(input_ids, labels, position_ids, mask, return_logits)
+            return self._pipelined(
+                input_ids, labels, position_ids, mask, return_logits, num_items_in_batch
+            )
 
     def _shard(self, input_ids, position_ids, attention_mask):
         """This rank's part of the tokens, their positions and their
@@ -230,23 +236,47 @@ class CausalLM(nn.Module):
             return F.linear(self.layout.enter(h), self.embed_tokens.weight)
         return self.lm_head(h)
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_fn(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
         """Next-token cross entropy of vocabulary-parallel logits [seq, batch,
         vocab / tp] against labels [batch, seq]: position t predicts
-        labels[t + 1], -100 ignored, mean over the rest."""
+        labels[t + 1], -100 ignored.
+
+        Without ``num_items_in_batch``: the mean over this batch's kept
+        labels. With it (as ``transformers``' argument of that name): the
+        kept labels of the whole global batch, every micro-batch,
+        accumulation step and data-parallel rank together
+        (``count_items``): the loss is then this batch's sum of token
+        losses over that count, times the data-parallel size (which the
+        gradients' averaging over the replicas divides out), so that the
+        gradient is that of the mean over every kept label of the global
+        batch, however unevenly the labels fall. The pipeline schedules pass
+        it by themselves (they call ``count_items`` first)."""
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         lay = self.layout
+        if num_items_in_batch is None:
+            count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
+        else:
+            count = torch.as_tensor(num_items_in_batch).clamp(min=1) / lay.dp_size
         if lay.cp_size == 1:
-            return tp.vocab_parallel_cross_entropy(
-                logits, shifted.t(), group=lay.tp_group, ignore_index=IGNORE_INDEX
+            if num_items_in_batch is None:
+                return tp.vocab_parallel_cross_entropy(
+                    logits, shifted.t(), group=lay.tp_group, ignore_index=IGNORE_INDEX
+                )
+            total = tp.vocab_parallel_cross_entropy(
+                logits, shifted.t(), group=lay.tp_group, ignore_index=IGNORE_INDEX, reduction="sum"
             )
+            return total / count
         # Context parallelism: the logits are this rank's positions, the
-        # labels (shifted above) the whole sequences'. The value is the mean
-        # over the whole sequences, the same on every rank of the group (one
-        # all-reduce of a scalar); the gradient is C times this rank's share
-        # of it, so that averaging gradients over dp x cp (DDP over
-        # dp_cp_group) gives the gradient of the whole sequences' mean.
-        count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
+        # labels (shifted above) the whole sequences'. The value is the sum
+        # over the whole sequences over the count, the same on every rank of
+        # the group (one all-reduce of a scalar); the gradient is C times
+        # this rank's share of it, so that averaging gradients over dp x cp
+        # (DDP over dp_cp_group) gives the gradient of the whole sequences'.
         mine = context_parallel.shard_sequence(shifted, lay.cp_group).t()
         total = tp.vocab_parallel_cross_entropy(
             logits, mine, group=lay.tp_group, ignore_index=IGNORE_INDEX, reduction="sum"
@@ -257,11 +287,23 @@ class CausalLM(nn.Module):
         mean /= count
         return share + (mean - share).detach()
 
-    def _output(self, h, labels, return_logits) -> CausalLMOutput:
+    def count_items(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """The kept labels (not -100, after the shift) of ``labels``, the
+        [batch, seq] labels of every micro-batch or accumulation step of
+        this rank's step, summed over the data-parallel ranks: the
+        ``num_items_in_batch`` of ``loss_fn`` and of ``forward``. Every
+        rank of the data-parallel group calls it."""
+        n = sum(int((t[:, 1:] != IGNORE_INDEX).sum()) for t in labels)
+        count = torch.tensor(n, dtype=torch.int64)
+        if self.layout.dp_size > 1:
+            dist.all_reduce(count, group=self.layout.dp_group)
+        return count
+
+    def _output(self, h, labels, return_logits, num_items=None) -> CausalLMOutput:
         local = self.vocab_parallel_logits(h)
         out = CausalLMOutput()
         if labels is not None:
-            out.loss = self.loss_fn(local, labels)
+            out.loss = self.loss_fn(local, labels, num_items)
         if return_logits:
             lay = self.layout
             logits = (
@@ -274,7 +316,7 @@ class CausalLM(nn.Module):
             out.logits = logits.transpose(0, 1)
         return out
 
-    def _pipelined(self, input_ids, labels, position_ids, mask, return_logits):
+    def _pipelined(self, input_ids, labels, position_ids, mask, return_logits, num_items):
         lay = self.layout
         b, s = input_ids.shape
         if self.is_first:
@@ -287,7 +329,7 @@ class CausalLM(nn.Module):
         if not self.is_last:
             dist.send(h.contiguous(), group=lay.pp_group, group_dst=lay.pp_rank + 1)
             return CausalLMOutput()
-        return self._output(h, labels, return_logits)
+        return self._output(h, labels, return_logits, num_items)
 
     @torch.no_grad()
     def cached_step(self, x, position_ids, attention_mask, cache, start: int) -> torch.Tensor:
@@ -335,6 +377,14 @@ class CausalLM(nn.Module):
         from ..pipeline import PipelineStage
 
         lay = self.layout
+        if hasattr(self, "unshard"):
+            raise NotImplementedError(
+                f"{type(self).__name__}.pipeline_stage: the model is sharded by FSDP2 "
+                "(fully_shard), whose hooks run around the model's own forward, which a "
+                "pipeline stage does not call: under pipeline parallelism shard the optimizer "
+                "and gradients with ZeRO (DistributedDataParallel(zero_stage=2) and "
+                "ZeroRedundancyOptimizer) instead"
+            )
         module = _Stage(self) if wrap is None else wrap(_Stage(self))
         return PipelineStage(module, lay.pp_rank, lay.pp_size, group=lay.pp_group)
 
@@ -342,13 +392,39 @@ class CausalLM(nn.Module):
         """With tied embeddings under pipeline parallelism the last stage
         holds a copy of the embedding as its LM head: sums the two copies'
         gradients (as Megatron does) so that they stay equal. Call it after
-        backward, before the optimizer step, on every rank."""
+        backward, before the optimizer step, on every rank.
+
+        Wherever the gradient is held: ``.grad`` (a DTensor's local shard
+        under FSDP2, sharded alike on both stages), or ZeRO-2's gradient
+        shards, whose slices of the two copies differ (each lies in its own
+        stage's buckets): there the copy's whole gradient is pieced
+        together over the data-parallel group first."""
         if self._tied_group is None:
             return
         p = self.embed_tokens.weight if self.is_first else self.lm_head.weight
+        buffer = getattr(p, "_dsp_zero_buffer", None)
+        if buffer is not None:
+            grad = buffer.param_grad(p)
+            dist.all_reduce(grad, group=self._tied_group)
+            buffer.set_param_grad(p, grad)
+            return
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=self._tied_group)
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(grad, group=self._tied_group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, optimizer=None):
+        """Clips every gradient of the model by the whole model's norm,
+        whatever the layout (tensor, pipeline, expert, context and data
+        parallel, ZeRO slices, FSDP2 shards, tied copies counted once):
+        the norm and the clipped gradients of
+        ``torch.nn.utils.clip_grad_norm_`` over the model in one process.
+        Every rank calls it, after ``allreduce_tied_grads``, before the
+        step; ``optimizer``: the ``ZeroRedundancyOptimizer`` holding the
+        gradients under ZeRO. Returns the norm."""
+        from .grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type, optimizer)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -182,9 +182,9 @@ class Router(nn.Module):
         super().__init__()
         self.layout = layout
         self.experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        self.groups, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+        self.groups, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob = cfg.get("norm_topk_prob", True)
-        self.scaling = cfg.get("routed_scaling_factor", 1.0)
+        self.scaling = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(self.experts, cfg.hidden_size, device="meta"))
         self.weight._dsp_keep_fp32 = True
         self.register_buffer("e_score_correction_bias", torch.empty(self.experts, device="meta"))
@@ -263,7 +263,7 @@ class DeepseekMoE(nn.Module):
         pre = f"model.layers.{index}.mlp"
         experts = cfg.n_routed_experts
         check_split("n_routed_experts", experts, layout.ep_size, "expert-parallel size")
-        check_split("n_routed_experts", experts, cfg.get("n_group", 1), "n_group")
+        check_split("n_routed_experts", experts, cfg.n_group, "n_group")
         local = experts // layout.ep_size
         self.ep_group = layout.ep_group
         self.num_experts, self.top_k = experts, cfg.num_experts_per_tok
@@ -309,7 +309,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             h, eps, f"{pre}.post_attention_layernorm.weight", layout
         )
-        if index >= cfg.get("first_k_dense_replace", 0):
+        if index >= cfg.first_k_dense_replace:
             self.mlp = DeepseekMoE(cfg, index, layout)
         else:
             self.mlp = SwiGLU(h, cfg.intermediate_size, f"{pre}.mlp", layout)
@@ -325,17 +325,19 @@ class DeepseekV3(CausalLM):
 
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
+    # As ``DeepseekV3Config``'s, for the fields a config leaves out.
     defaults = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
         "rope_interleave": True,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 0,
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
         "norm_topk_prob": True,
-        "routed_scaling_factor": 1.0,
+        "routed_scaling_factor": 2.5,
         "n_shared_experts": 1,
+        "q_lora_rank": 1536,
     }
 
     def check(self, cfg) -> None:

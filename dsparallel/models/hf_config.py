@@ -38,6 +38,7 @@ class HFConfig:
         raise AttributeError("HFConfig is read-only")
 
     def get(self, name: str, default=None):
+        """The field's value; ``default`` where it is absent or null."""
         value = self._values.get(name)
         return default if value is None else value
 
@@ -65,7 +66,10 @@ def read_config(config, model_type: str, defaults: dict[str, Any]) -> HFConfig:
             f"the config is of model_type {found!r}, not {model_type!r}: load it with the "
             "model class of its architecture"
         )
-    values = {**defaults, **{k: v for k, v in config.items() if v is not None}}
+    # A field the config gives as null stays null (``q_lora_rank: null``
+    # means no low-rank q, a null ``pad_token_id`` none): dropping it would
+    # let ``transformers`` fill in its own default when it reads what we save.
+    values = {**defaults, **config}
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     values["rope_parameters"] = rope_parameters(values)

@@ -62,6 +62,10 @@ class Layout:
     # Sequence parallelism (Megatron's): outside the tensor-parallel regions
     # each rank holds 1/tp of the sequence; only with tp > 1.
     sp: bool = False
+    # Data parallelism: the replicas whose batches make up the global batch
+    # (a per-token loss counts their labels together).
+    dp_group: dist.ProcessGroup | None = None
+    dp_size: int = 1
 
     @classmethod
     def of(cls, state) -> Layout:
@@ -80,6 +84,8 @@ class Layout:
             mesh=state.mesh,
             cp_group=state.cp_group,
             cp_size=state.cp_size,
+            dp_group=state.dp_group,
+            dp_size=state.dp_size,
         )
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:

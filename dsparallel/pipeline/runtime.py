@@ -10,7 +10,18 @@ until its backward has run.
 
 The loss is divided by the number of micro-batches once, on the last stage,
 so the gradients equal those of the whole batch run unsplit; calling
-``step`` again accumulates into ``.grad`` like a normal backward.
+``step`` again accumulates into ``.grad`` like a normal backward. That is
+the mean of the micro-batches' means, right when every micro-batch counts
+the same number of items. A per-token loss opts out of it: a ``loss_fn``
+that takes ``num_items_in_batch`` and has a ``count_items(targets)`` (on
+itself, or on the object it is a bound method of: ``model.loss_fn`` of our
+models) is given, for every micro-batch, the count that ``count_items``
+returns for the list of the step's micro-batch targets (before the first
+forward: every rank of the last stage calls it, so it may all-reduce the
+count over data parallelism) and is not divided again: its value already
+is the micro-batch's share of the batch's loss. ``losses`` then receives
+each share times the number of micro-batches, so that their mean is the
+batch's loss in either case.
 
 A stage whose module is a DistributedDataParallel (ours or torch's) runs its
 forwards under ``no_sync`` and arms the reducer just before the stage's last
@@ -29,6 +40,7 @@ weight-gradient store, and runs the captured weight-gradient GEMMs at W.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +96,8 @@ class _PipelineSchedule:
         last = self.stages.get(self.num_stages - 1)
         if last is not None and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
+        self._count_items = _item_counter(loss_fn)
+        self._num_items = None  # this step's, for a per-token loss
         # Where a DDP stage syncs: its last action that adds gradients, a B
         # or (split backward) a W; DualPipeV mixes both in one stage.
         self._sync_at = {a.stage: (a.kind, a.microbatch) for a in self.actions if a.kind in "BW"}
@@ -112,6 +126,8 @@ class _PipelineSchedule:
             if target is None:
                 raise ValueError("the last stage's step() needs target=")
             targets = self._split((target,), "target")
+            if self._count_items is not None:
+                self._num_items = self._count_items([t[0] for t in targets])
         slots = {(s, mb): _Slot() for s in self.stages for mb in range(m)}
         stage_losses = [None] * m
 
@@ -131,7 +147,8 @@ class _PipelineSchedule:
             else:
                 slot.output, slot.loss = self._compute(stage, slot)
             if stage.is_last:
-                stage_losses[mb] = slot.loss.detach()
+                scale = 1 if self._num_items is None else m
+                stage_losses[mb] = slot.loss.detach() * scale
                 return None
             return slot.output.detach()
 
@@ -145,7 +162,8 @@ class _PipelineSchedule:
             watch = (s, mb) in self._input_only and s not in self._not_deferred
             before = _grad_marks(stage.submod) if watch else None
             if stage.is_last:
-                torch.autograd.backward(slot.loss / m)
+                share = slot.loss if self._num_items is not None else slot.loss / m
+                torch.autograd.backward(share)
             else:
                 torch.autograd.backward(slot.output, grad_output)
             if watch:
@@ -232,8 +250,27 @@ class _PipelineSchedule:
         split = SplitLinears() if self._split_backward else contextlib.nullcontext()
         with sync_off, split:
             out = stage.submod(*slot.args)
-        loss = self.loss_fn(out, *slot.targets) if stage.is_last else None
-        return out, loss
+        if not stage.is_last:
+            return out, None
+        if self._num_items is None:
+            return out, self.loss_fn(out, *slot.targets)
+        return out, self.loss_fn(out, *slot.targets, num_items_in_batch=self._num_items)
+
+
+def _item_counter(loss_fn):
+    """``count_items`` of a per-token ``loss_fn`` (see the module
+    docstring), or None."""
+    if loss_fn is None:
+        return None
+    owner = getattr(loss_fn, "__self__", None)
+    count = getattr(loss_fn, "count_items", None) or getattr(owner, "count_items", None)
+    if count is None:
+        return None
+    try:
+        takes = "num_items_in_batch" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return count if takes else None
 
 
 def _grad_marks(module) -> dict:

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..models.checkpoint_io import model_classes
 from ..models.gpt import GPTConfig, stage_blocks
 
 
@@ -80,9 +81,12 @@ def read_model(config) -> Model:
             )
         config = config.to_dict()
     kind = config.get("model_type")
-    if kind not in ("llama", "deepseek_v3"):
+    classes = model_classes()
+    if kind not in classes:
         raise ValueError(f"plan: model_type {kind!r} is not one of 'llama', 'deepseek_v3'")
-    return Model(kind, dict(config))
+    # The fields a config leaves out take the model's defaults, as they do
+    # when the model is built.
+    return Model(kind, {**classes[kind].defaults, **config})
 
 
 def _split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> int:
