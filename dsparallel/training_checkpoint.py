@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .models.agreement import publish, raise_if_any_failed, staging_path
 from .models.hf_map import Piece, materialize, split
 from .zero import MASTER, ZeroRedundancyOptimizer
 
@@ -111,26 +112,26 @@ def save_checkpoint(path: str, model, optimizer=None) -> None:
                 step = max(step, float(v))
     if optimizer is not None:
         sd["optim.step"] = torch.tensor(step, dtype=torch.float64)
-    dcp.save(sd, checkpoint_id=path)
+    # Written aside and renamed once complete: a failure leaves the
+    # previous checkpoint at ``path`` as it was (DCP raises on every rank).
+    staging = staging_path(path)
+    dcp.save(sd, checkpoint_id=staging)
+    publish(staging, path)
 
 
-@torch.no_grad()
-def load_checkpoint(path: str, model, optimizer=None) -> None:
-    """Every rank calls it, with the model (and optimizer) of the new
-    layout already built: fills the parameters, buffers and the
-    optimizer's state from a ``save_checkpoint`` of any layout."""
+def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict) -> list[str]:
+    """Fills ``wanted`` (DCP's request: a DTensor where the block is split
+    over tensor parallelism) and ``local`` (the blocks themselves) with
+    what this rank loads; raises if the checkpoint lacks any of it.
+    Returns the kinds of optimizer state saved (Adam's moments, masters)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import DTensor
 
-    model = _unwrap(model)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     kinds = sorted(
         {k.rsplit(".", 1)[1] for k in saved if k.startswith("optim.") and k != "optim.step"}
     )
     if optimizer is not None and "optim.step" not in saved:
         raise ValueError(f"load_checkpoint: {path} holds no optimizer state (saved without one)")
-    wanted: dict[str, object] = {}
-    local: dict[str, torch.Tensor] = {}
 
     def ask(name: str, piece: Piece, dtype: torch.dtype):
         if name not in saved:
@@ -139,7 +140,6 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
         local[name] = block
         wanted[name] = _wrap(model, piece, block)
 
-    entries = _entries(model)
     for _, node, t in entries:
         for piece, _ in split(node, t):
             ask(f"model.{piece.key}", piece, t.dtype)
@@ -151,6 +151,30 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
                     ask(name, piece, _state_dtype(t))
     if optimizer is not None:
         wanted["optim.step"] = torch.zeros((), dtype=torch.float64)
+    return kinds
+
+
+@torch.no_grad()
+def load_checkpoint(path: str, model, optimizer=None) -> None:
+    """Every rank calls it, with the model (and optimizer) of the new
+    layout already built: fills the parameters, buffers and the
+    optimizer's state from a ``save_checkpoint`` of any layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    model = _unwrap(model)
+    wanted: dict[str, object] = {}
+    local: dict[str, torch.Tensor] = {}
+    entries = _entries(model)
+    # What this rank asks for may be missing where another rank's is not
+    # (a stage of another model): every rank learns of it before the
+    # collective load, and raises the same error.
+    kinds, error = [], None
+    try:
+        kinds = _ask_for(path, model, optimizer, entries, wanted, local)
+    except Exception as e:
+        error = e
+    raise_if_any_failed(error, "load_checkpoint")
     dcp.load(wanted, checkpoint_id=path)
     for name, value in wanted.items():
         if isinstance(value, DTensor):

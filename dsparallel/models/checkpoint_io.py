@@ -14,6 +14,7 @@ values; each element of every tensor must arrive at least once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,9 +22,11 @@ import re
 import torch
 import torch.distributed as dist
 
+from .agreement import raise_if_any_failed
 from .hf_map import Piece
 
 INDEX = "model.safetensors.index.json"
+PARTIAL = ".partial"  # a file being written
 SINGLE = "model.safetensors"
 
 
@@ -64,7 +67,7 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
     reader = _Reader(path, weight_map)
     try:
         used, error = model.load_hf(reader.read), None
-    except (KeyError, ValueError, OSError) as e:
+    except Exception as e:  # a corrupt file too (safetensors' error): every rank learns of it
         used, error = set(), e
     _agree(model, weight_map, used, error, path)
     return model
@@ -117,18 +120,12 @@ def _agree(model, weight_map, used, error, path) -> None:
     checkpoint tensor was read by some rank, except the layers past
     ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer, as
     ``transformers`` drops it); each raises the same error."""
-    mine = (used, None if error is None else f"{type(error).__name__}: {error}")
-    everyone = [mine]
+    raise_if_any_failed(error, "from_pretrained")
+    everyone = [used]
     if model.layout.mesh is not None:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    if error is not None:
-        raise error
-    failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
-    if failed:
-        rank, msg = failed[0]
-        raise RuntimeError(f"from_pretrained failed on rank {rank}: {msg}")
-    read = set().union(*(u for u, _ in everyone))
+        dist.all_gather_object(everyone, used)
+    read = set().union(*everyone)
     layers = model.config.num_hidden_layers
     extra = sorted(
         k
@@ -168,6 +165,11 @@ def gather_full(model, grads: bool = False) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model, path: str) -> None:
+    """Every file is written under a temporary name (``.partial``) and takes
+    its own once every rank has written its part: a rank that fails (a full
+    disk) makes every rank raise the same error, and leaves the files of a
+    previous checkpoint in ``path`` as they were. Other files in ``path``
+    (a tokenizer) are kept."""
     from safetensors.torch import save_file
 
     lay = model.layout
@@ -182,29 +184,45 @@ def save_pretrained(model, path: str) -> None:
         stage_blocks = [None] * group.size() if writer else None
         dist.gather_object(blocks, stage_blocks, group=group, group_dst=0)
     names: dict[str, str] = {}
-    sizes = 0
+    sizes, error = 0, None
     if writer:
-        os.makedirs(path, exist_ok=True)
-        tensors = _assemble(stage_blocks)
-        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
-        names = dict.fromkeys(tensors, file)
-        sizes = sum(t.numel() * t.element_size() for t in tensors.values())
+        try:
+            os.makedirs(path, exist_ok=True)
+            tensors = _assemble(stage_blocks)
+            save_file(tensors, os.path.join(path, file + PARTIAL), metadata={"format": "pt"})
+            names = dict.fromkeys(tensors, file)
+            sizes = sum(t.numel() * t.element_size() for t in tensors.values())
+        except Exception as e:  # every rank must learn of it
+            error = e
+    try:
+        raise_if_any_failed(error, "save_pretrained")
+    except Exception:
+        if writer:  # what the other stages wrote is dropped too
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, file + PARTIAL))
+        raise
     everyone = [(names, sizes)]
     if not one_process:
-        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((names, sizes), everyone, dst=0)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (names, sizes))
+    error = None
     if one_process or dist.get_rank() == 0:
         weight_map = {k: f for n, _ in everyone for k, f in n.items()}
         index = {
             "metadata": {"total_size": sum(s for _, s in everyone)},
             "weight_map": dict(sorted(weight_map.items())),
         }
-        with open(os.path.join(path, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(model.config_dict(), f, indent=2)
-    if not one_process:
-        dist.barrier()
+        try:
+            for name, value in ((INDEX, index), ("config.json", model.config_dict())):
+                with open(os.path.join(path, name + PARTIAL), "w") as f:
+                    json.dump(value, f, indent=2)
+            # Complete: every file takes its name (the shards before the
+            # index that names them).
+            for name in sorted(set(weight_map.values())) + [INDEX, "config.json"]:
+                os.replace(os.path.join(path, name + PARTIAL), os.path.join(path, name))
+        except Exception as e:
+            error = e
+    raise_if_any_failed(error, "save_pretrained")
 
 
 def _stage_group(model):

@@ -506,16 +506,35 @@ def test_bad_checkpoints_are_refused_on_every_rank(reference, tmp_path):
     tensors = _tensors(str(bad_norm))
     tensors["model.norm.weight"] = torch.ones(65)
     save_file(tensors, str(bad_norm / "model.safetensors"))
-    cases = [str(other), str(sharded), str(wrong), str(bad_norm)]
+    # A corrupt shard (cut short) that only the last stage reads: every
+    # rank raises safetensors' own error, naming the rank.
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    tensors = _tensors(ref["dirs"]["llama"])
+    last_stage = {k for k in tensors if k in ("model.norm.weight", "lm_head.weight")}
+    files = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for key, t in tensors.items():
+        files[f"model-0000{1 + (key in last_stage)}-of-00002.safetensors"][key] = t
+    for name, part in files.items():
+        save_file(part, str(corrupt / name))
+    index = {"metadata": {}, "weight_map": {k: n for n, part in files.items() for k in part}}
+    json.dump(index, open(corrupt / "model.safetensors.index.json", "w"))
+    json.dump(cfg, open(corrupt / "config.json", "w"))
+    broken = corrupt / "model-00002-of-00002.safetensors"
+    broken.write_bytes(broken.read_bytes()[:-100])
+    cases = [str(other), str(sharded), str(wrong), str(bad_norm), str(corrupt)]
     first, last = run_ranks(_bad_checkpoints_body, 2, cases, timeout=120)
     for errors in (first, last):
-        assert len(errors) == 4, errors
+        assert len(errors) == 5, errors
         assert errors[0].startswith("ValueError") and "'gpt2' model" in errors[0], errors[0]
         assert errors[1].startswith("FileNotFoundError"), errors[1]
         assert "model-00002-of-00002.safetensors" in errors[1], errors[1]
         assert "gate_proj.weight has shape (96, 64)" in errors[2], errors[2]
-    assert last[3].startswith("ValueError: from_pretrained: model.norm.weight has shape (65,)")
-    assert first[3].startswith("RuntimeError: from_pretrained failed on rank 1: ValueError")
+        assert errors[3].startswith(
+            "ValueError: from_pretrained failed on rank 1: from_pretrained: model.norm.weight "
+            "has shape (65,)"
+        ), errors[3]
+        assert errors[4].startswith("SafetensorError: from_pretrained failed on rank 1"), errors[4]
 
 
 # ------------------------------------------------- resume in another layout

@@ -438,3 +438,92 @@ def test_deepseek_defaults_are_transformers_defaults():
         assert theirs[key] == value, f"{key}: ours {value}, transformers {theirs[key]}"
     for key in ("n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor"):
         assert key in DeepseekV3.defaults, key
+
+
+def test_generate_leaves_the_model_as_it_was():
+    """generate reads wide weights from column-major copies while it runs;
+    the model keeps its own storage (a ZeRO buffer may own it)."""
+    from dsparallel.inference import generate
+    from dsparallel.models import Llama
+
+    model = Llama(LLAMA)
+    before = {
+        n: (p.data_ptr(), p.stride(), p.detach().clone()) for n, p in model.named_parameters()
+    }
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    first = generate(model, ids, max_new_tokens=4)
+    for name, p in model.named_parameters():
+        ptr, stride, value = before[name]
+        assert p.data_ptr() == ptr and p.stride() == stride, name
+        assert torch.equal(p.detach(), value), name
+    assert torch.equal(generate(model, ids, max_new_tokens=4), first)
+
+
+# ------------------------------------------------------------ faults
+
+
+def _fault_body(rank, world, path, root):
+    """pp 2: a full disk on rank 0 while it writes its stage's file of
+    ``save_pretrained``, over a complete checkpoint saved before; then a
+    training checkpoint loaded into a model with more layers, whose second
+    stage's are missing from it. The error each rank raised, per case."""
+    import errno
+
+    import safetensors.torch
+
+    import dsparallel
+    from dsparallel.models import Llama, from_pretrained
+
+    state = dsparallel.init_parallel(1, 2)
+    model = from_pretrained(path, state)
+    out = {}
+    target = os.path.join(root, "hf")
+    model.save_pretrained(target)
+    real = safetensors.torch.save_file
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 0:
+        safetensors.torch.save_file = full_disk
+    try:
+        model.save_pretrained(target)
+    except Exception as e:  # noqa: BLE001 (the test reads the type)
+        out["save_pretrained"] = f"{type(e).__name__}: {e}"
+    finally:
+        safetensors.torch.save_file = real
+    ckpt = os.path.join(root, "train")
+    dsparallel.save_checkpoint(ckpt, model)
+    deeper = Llama(dict(LLAMA, num_hidden_layers=4), state)
+    try:
+        dsparallel.load_checkpoint(ckpt, deeper)
+    except Exception as e:  # noqa: BLE001
+        out["load_checkpoint"] = f"{type(e).__name__}: {e}"
+    dsparallel.destroy_parallel()
+    return out
+
+
+def test_a_failing_rank_makes_every_rank_raise_and_keeps_the_previous_checkpoint(
+    llama_dir, tmp_path
+):
+    from safetensors.torch import load_file
+
+    out = run_ranks(_fault_body, 2, llama_dir, str(tmp_path), timeout=120)
+    for errors in out:
+        assert errors["save_pretrained"].startswith(
+            "OSError: save_pretrained failed on rank 0: [Errno 28] No space left on device"
+        ), errors
+        assert errors["load_checkpoint"].startswith("KeyError"), errors
+        assert "load_checkpoint failed on rank 1" in errors["load_checkpoint"], errors
+        assert "model.layers.2." in errors["load_checkpoint"], errors
+    # The checkpoint saved before the failure is whole and loads.
+    saved = tmp_path / "hf"
+    assert not list(saved.glob("*.partial"))
+    index = json.load(open(saved / "model.safetensors.index.json"))
+    original = load_file(os.path.join(llama_dir, "model.safetensors"))
+    ours = {}
+    for name in set(index["weight_map"].values()):
+        ours.update(load_file(str(saved / name)))
+    assert ours.keys() == original.keys()
+    for key, t in original.items():
+        assert torch.equal(ours[key], t), key
