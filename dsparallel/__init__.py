@@ -13,6 +13,7 @@ load_extension()  # before any module that imports _C: a clear error on a torch 
 from . import backend, comm_hooks, context_parallel, moe, tensor_parallel
 from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
+from .mixed_precision import MixedPrecision
 from .ops import fused_all_reduce
 from .parallel_state import ParallelState, destroy_parallel, get_parallel_state, init_parallel
 from .training_checkpoint import load_checkpoint, save_checkpoint
@@ -33,6 +34,7 @@ __all__ = [
     "get_parallel_state",
     "init_parallel",
     "load_checkpoint",
+    "MixedPrecision",
     "moe",
     "save_checkpoint",
     "tensor_parallel",

@@ -31,6 +31,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import _C
+from .comm_hooks import bf16_compress_hook, fp16_compress_hook
+from .mixed_precision import MixedPrecision, policy_of
+from .mixed_precision import apply as mixed_precision_apply
 from .parallel_state import expert_dp_group_of
 from .zero import ShardedBuffer
 
@@ -63,6 +66,11 @@ class DistributedDataParallel(nn.Module):
 
     Every rank holds a replica of ``module``; each backward averages the
     gradients across ranks so that the replicas stay identical.
+
+    ``mixed_precision``: a ``dsparallel.MixedPrecision`` the module is put
+    under (float32 masters, compute in its ``param_dtype``, gradients
+    accumulated in float32 and reduced in its ``reduce_dtype``); a module
+    already under one (a model built with ``mixed_precision=``) keeps it.
     """
 
     def __init__(
@@ -81,6 +89,7 @@ class DistributedDataParallel(nn.Module):
         *,
         zero_stage: int = 0,
         overlap_param_gather: bool = False,
+        mixed_precision: MixedPrecision | None = None,
         **kwargs,
     ):
         super().__init__()
@@ -127,6 +136,10 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
+        if mixed_precision is not None:
+            # Before the buckets are laid out: they hold float32 gradients.
+            mixed_precision_apply(module, mixed_precision)
+        self.mixed_precision = policy_of(module)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError(
@@ -172,6 +185,9 @@ class DistributedDataParallel(nn.Module):
                 )
         if overlap_param_gather:
             self._wait_before_use(named + experts)
+        narrow = self.mixed_precision and self.mixed_precision.reduce_dtype != torch.float32
+        if narrow:
+            self.register_comm_hook(None, _COMPRESS[self.mixed_precision.reduce_dtype])
 
     # ---------------------------------------------------------------- set-up
 
@@ -354,6 +370,9 @@ def _waiter(buffers):
             b.wait_gather()
 
     return wait
+
+
+_COMPRESS = {torch.bfloat16: bf16_compress_hook, torch.float16: fp16_compress_hook}
 
 
 def _compress_dtype(hook) -> torch.dtype | None:

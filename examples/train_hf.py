@@ -75,8 +75,10 @@ CLASSES = {"llama": Llama, "deepseek_v3": DeepseekV3}
 
 
 def build_model(spec: str, state, args):
+    mixed = args.dtype == "mixed-bfloat16"
     kwargs = dict(
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        dtype=getattr(torch, args.dtype) if args.dtype and not mixed else None,
+        mixed_precision=dsparallel.MixedPrecision() if mixed else None,
         checkpoint=args.recompute,
         sequence_parallel=args.sequence_parallel,
         cp_mode=args.cp_mode,
@@ -183,9 +185,10 @@ def main() -> None:
     p.add_argument("--recompute", action="store_true", help="recompute each layer in backward")
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "mixed-bfloat16"],
         default=None,
-        help="the model's dtype (default: a checkpoint's own, float32 for a config)",
+        help="the model's dtype (default: a checkpoint's own, float32 for a config); "
+        "bfloat16 is pure bf16, mixed-bfloat16 computes in bf16 with float32 masters",
     )
     p.add_argument("--micro-batches", type=int, default=2, help="per step under pp (1F1B)")
     p.add_argument("--batch-size", type=int, default=8, help="global, in sequences")
@@ -218,6 +221,7 @@ def main() -> None:
         n = sum(q.numel() for q in model.parameters())
         print(
             f"{type(model).__name__}: {args.model}, layout {state}, {n} parameters on rank 0, "
+            f"{model.precision}, "
             f"global batch {args.batch_size} x {args.seq_len} tokens",
             flush=True,
         )

@@ -31,6 +31,9 @@ from .. import context_parallel
 from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
 from ..context_parallel import check_mode
+from ..mixed_precision import MixedPrecision, compute_dtype
+from ..mixed_precision import apply as apply_mixed_precision
+from ..mixed_precision import describe as describe_precision
 from .gpt import stage_blocks
 from .hf_config import read_config
 from .hf_map import initial_value, materialize, rows, specs_of, split
@@ -73,9 +76,16 @@ class CausalLM(nn.Module):
         checkpoint: bool = False,
         sequence_parallel: bool = False,
         cp_mode: str = "ring",
+        mixed_precision: MixedPrecision | None = None,
         _initialize: bool = True,
     ):
         super().__init__()
+        if mixed_precision is not None and dtype not in (None, torch.float32):
+            raise ValueError(
+                f"{type(self).__name__}: mixed_precision keeps float32 master weights, so the "
+                f"model's dtype is float32, not {dtype} (leave dtype out; dtype={dtype} "
+                "without mixed_precision is pure low precision)"
+            )
         cfg = read_config(config, self.model_type, self.defaults)
         self.config = cfg
         lay = Layout.of(state)
@@ -126,6 +136,8 @@ class CausalLM(nn.Module):
                 p.data = p.data.to(dtype)
         if _initialize:
             self._initialize(seed)
+        if mixed_precision is not None:
+            apply_mixed_precision(self, mixed_precision)
 
     # ------------------------------------------------------------ subclasses
 
@@ -233,7 +245,9 @@ class CausalLM(nn.Module):
         of the last stage."""
         h = self.norm(h)
         if self.tied and self.is_first:
-            return F.linear(self.layout.enter(h), self.embed_tokens.weight)
+            # Read outside the embedding's forward: no cast copy there.
+            w = self.embed_tokens.weight.to(h.dtype)
+            return F.linear(self.layout.enter(h), w)
         return self.lm_head(h)
 
     def loss_fn(
@@ -257,6 +271,8 @@ class CausalLM(nn.Module):
         batch, however unevenly the labels fall. The pipeline schedules pass
         it by themselves (they call ``count_items`` first)."""
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        # In float32 whatever the compute dtype, as transformers' loss.
+        logits = logits.float()
         lay = self.layout
         if num_items_in_batch is None:
             count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
@@ -361,7 +377,15 @@ class CausalLM(nn.Module):
         }
 
     def _dtype(self) -> torch.dtype:
-        return next(p.dtype for n, p in self.named_parameters() if "norm" in n)
+        """The dtype of the hidden states (of buffers between stages, of
+        the KV cache)."""
+        return compute_dtype(self)
+
+    @property
+    def precision(self) -> str:
+        """ "float32", "pure bfloat16" (weights, gradients and optimizer
+        state in bfloat16) or "mixed bfloat16 (float32 masters)"."""
+        return describe_precision(self)
 
     # --------------------------------------------------------------- pipeline
 
@@ -496,7 +520,9 @@ class CausalLM(nn.Module):
         values = self.config.to_dict()
         values["architectures"] = [self.architecture]
         values["model_type"] = self.model_type
-        values["dtype"] = str(self._dtype()).removeprefix("torch.")
+        # The dtype of the tensors saved: float32 masters under mixed precision.
+        stored = next(p.dtype for n, p in self.named_parameters() if "norm" in n)
+        values["dtype"] = str(stored).removeprefix("torch.")
         return values
 
 

@@ -40,7 +40,8 @@ def model_classes() -> dict:
 def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **kwargs):
     """This rank's part of the model in the checkpoint directory ``path``
     (``config.json`` and one or several ``*.safetensors`` with their
-    index), in ``dtype`` (by default the checkpoint's). ``kwargs`` go to
+    index), in ``dtype`` (by default the checkpoint's; float32 masters
+    with ``mixed_precision=dsparallel.MixedPrecision()``). ``kwargs`` go to
     the model (``checkpoint=True`` recomputes activations)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -61,7 +62,9 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
             f"from_pretrained: the checkpoint in {path} lacks the shard file(s) "
             f"{', '.join(missing)} that its index names"
         )
-    if dtype is None:
+    if kwargs.get("mixed_precision") is not None:
+        dtype = dtype or torch.float32  # the masters; the policy casts for compute
+    elif dtype is None:
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
     model = classes[kind](config, state, dtype=dtype, _initialize=False, **kwargs)
     reader = _Reader(path, weight_map)

@@ -71,7 +71,8 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, optimizer=No
             torch._foreach_mul_(grads, coef)
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.scale_grad_shards_(coef)
-    return total.to(model._dtype())
+    # In the gradients' dtype, as torch's (float32 under mixed precision).
+    return total.to(next(p.dtype for p in model.parameters() if p.is_floating_point()))
 
 
 def _weights(model) -> dict:

@@ -12,6 +12,7 @@ resumed bf16 losses are bit-equal.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -323,10 +324,11 @@ def test_clipping_uses_the_whole_models_norm(llama_dir, tied_dir, kind, tp, pp, 
 RESUME_STEPS = 3  # before and after the checkpoint
 
 
-def _bf16_run(path, tp, pp, zero, batches, ckpt=None, load=False):
-    """The losses of ``batches`` trained in bf16 at (tp, pp, dp = the
-    rest) with ZeRO ``zero`` (0: torch's AdamW); saves a checkpoint after
-    them (``ckpt``) or loads one before them (``load``)."""
+def _bf16_run(path, tp, pp, zero, batches, ckpt=None, load=False, mixed=False):
+    """The losses of ``batches`` trained in bf16 (pure, or ``mixed`` with
+    float32 masters) at (tp, pp, dp = the rest) with ZeRO ``zero`` (0:
+    torch's AdamW); saves a checkpoint after them (``ckpt``) or loads one
+    before them (``load``)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from train_hf import make_trainer
 
@@ -334,7 +336,10 @@ def _bf16_run(path, tp, pp, zero, batches, ckpt=None, load=False):
     from dsparallel.models import from_pretrained
 
     state = dsparallel.init_parallel(tp, pp)
-    model = from_pretrained(path, state, dtype=torch.bfloat16)
+    if mixed:
+        model = from_pretrained(path, state, mixed_precision=dsparallel.MixedPrecision())
+    else:
+        model = from_pretrained(path, state, dtype=torch.bfloat16)
     trainer = make_trainer(model, state, zero, micro_batches=2, lr=1e-2)
     if load:
         dsparallel.load_checkpoint(ckpt, model, trainer.opt)
@@ -357,12 +362,14 @@ def _bf16_resume_body(rank, world, path, tp, pp, zeros, root):
     batches = [torch.randint(0, 96, (8, SEQ), generator=g) for _ in range(2 * RESUME_STEPS)]
     out = {}
     for zero in zeros:
-        ckpt = os.path.join(root, f"ckpt-{zero}")
-        whole = _bf16_run(path, tp, pp, zero, batches)
-        first = _bf16_run(path, tp, pp, zero, batches[:RESUME_STEPS], ckpt)
-        dist.barrier()
-        resumed = _bf16_run(path, tp, pp, zero, batches[RESUME_STEPS:], ckpt, load=True)
-        out[zero] = whole, first + resumed
+        for mixed in (False, True):
+            run = functools.partial(_bf16_run, path, tp, pp, zero, mixed=mixed)
+            ckpt = os.path.join(root, f"ckpt-{zero}-{mixed}")
+            whole = run(batches)
+            first = run(batches[:RESUME_STEPS], ckpt)
+            dist.barrier()
+            resumed = run(batches[RESUME_STEPS:], ckpt, load=True)
+            out["mixed" if mixed else "pure", zero] = whole, first + resumed
     return out
 
 
@@ -371,9 +378,255 @@ def _bf16_resume_body(rank, world, path, tp, pp, zeros, root):
 )
 def test_bf16_resume_continues_bit_for_bit(llama_dir, tmp_path, tp, pp, zeros):
     out = run_ranks(_bf16_resume_body, 4, llama_dir, tp, pp, zeros, str(tmp_path), timeout=300)[0]
-    for zero, (whole, resumed) in out.items():
-        assert whole == resumed, f"ZeRO {zero}: resumed {resumed} vs uninterrupted {whole}"
+    for (kind, zero), (whole, resumed) in out.items():
+        assert whole == resumed, f"{kind} bf16, ZeRO {zero}: resumed {resumed} vs {whole}"
         assert whole[-1] != whole[0]  # it steps
+
+
+# ------------------------------------------------------------ mixed precision
+
+MP_STEPS, MP_LR = 5, 1e-3
+# Of the distance the reference's weights moved in MP_STEPS: one process's
+# bf16 compute differs from ours by rounding order (0.03 over the whole
+# model, 0.06 for the worst tensor, in one process); pure bf16, whose norm
+# weights do not move at all (their updates are under half a bf16 step),
+# is 0.08 and 1.0.
+MP_TOL_MODEL, MP_TOL_TENSOR = 0.1, 0.25
+MP_LAYOUTS = {  # name: (model, tp, pp, ep, cp, zero, model kwargs)
+    "dp2-zero0": ("llama", 1, 1, 1, 1, 0, {}),
+    "dp2-zero1": ("llama", 1, 1, 1, 1, 1, {}),
+    "dp2-zero2": ("llama", 1, 1, 1, 1, 2, {}),
+    "tp2-sp": ("llama", 2, 1, 1, 1, 0, {"sequence_parallel": True}),
+    "pp2-recompute": ("llama", 1, 2, 1, 1, 0, {"checkpoint": True}),
+    "cp2": ("llama", 1, 1, 1, 2, 0, {}),
+    "dp2-zero2-reduce-bf16": ("llama", 1, 1, 1, 1, 2, {"reduce_dtype": torch.bfloat16}),
+    "ep2-zero1": ("deepseek", 1, 1, 2, 1, 1, {}),
+    # torch's FSDP2 over "dsp" with torch's own MixedPrecisionPolicy.
+    "fsdp2-torch-policy": ("llama", 1, 1, 1, 1, 0, {"fsdp": True}),
+}
+DEEPSEEK_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=64,
+)
+
+
+def _mp_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 96, (BATCH, SEQ), generator=g) for _ in range(MP_STEPS)]
+
+
+def _by_hand(hf) -> dict[str, torch.Tensor]:
+    """Trains ``hf`` (float32) MP_STEPS AdamW steps with bf16 compute and
+    float32 masters, written out: before each step the masters are rounded
+    into a bf16 copy (DeepSeek's router weight, which transformers computes
+    in float32, stays float32), its loss on the whole batch is
+    back-propagated in bf16, and the bf16 gradients step the masters."""
+    import copy
+
+    work = copy.deepcopy(hf).to(torch.bfloat16)
+    for name, p in work.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.data = p.data.float()
+    opt = torch.optim.AdamW(hf.parameters(), lr=MP_LR)
+    for batch in _mp_batches():
+        with torch.no_grad():
+            for w, m in zip(work.parameters(), hf.parameters()):
+                w.copy_(m)
+        work(batch, labels=batch).loss.backward()
+        for w, m in zip(work.parameters(), hf.parameters()):
+            m.grad, w.grad = w.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+
+
+def _mp_body(rank, world, paths, layouts):
+    """MP_STEPS AdamW steps of bf16 mixed precision at each layout (as
+    examples/train_hf.py trains); the float32 masters after them."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from train_hf import make_trainer
+
+    import dsparallel
+    from dsparallel.models import from_pretrained
+
+    out = {}
+    for name in layouts:
+        kind, tp, pp, ep, cp, zero, kwargs = MP_LAYOUTS[name]
+        state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
+        kwargs = dict(kwargs)
+        policy = dsparallel.MixedPrecision(reduce_dtype=kwargs.pop("reduce_dtype", torch.float32))
+        fsdp = kwargs.pop("fsdp", False)
+        if fsdp:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            model = from_pretrained(paths[kind], state, dtype=torch.float32)
+            torch_policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=state.mesh["dp"], mp_policy=torch_policy)
+            fully_shard(model, mesh=state.mesh["dp"], mp_policy=torch_policy)
+        else:
+            model = from_pretrained(paths[kind], state, mixed_precision=policy, **kwargs)
+            assert model.precision == "mixed bfloat16 (float32 masters)"
+        trainer = make_trainer(model, state, zero, micro_batches=2, lr=MP_LR)
+        assert all(ddp.mixed_precision == policy for ddp in trainer.ddps)
+        computed = set()  # the dtype each decoder layer computed in
+        hooks = [
+            layer.register_forward_hook(lambda m, i, o, seen=computed: seen.add(o.dtype))
+            for layer in model.layers.values()
+        ]
+        for batch in _mp_batches():
+            trainer.step(batch.chunk(state.dp_size)[state.dp_rank])
+        assert computed == {torch.bfloat16}, (name, computed)
+        for hook in hooks:
+            hook.remove()
+        if fsdp:  # the float32 shards, whole, in a model without FSDP2
+            whole = from_pretrained(paths[kind], state, dtype=torch.float32)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    whole.get_parameter(n).copy_(p.full_tensor())
+            model = whole
+        out[name] = _by_value(model.hf_state_dict())
+        dsparallel.destroy_parallel()
+    return out
+
+
+def _distance(got: dict, want: dict, start: dict) -> tuple[float, str, float]:
+    """(over the whole model, the worst tensor, its distance): how far
+    ``got`` is from ``want``, in units of how far ``want`` moved from
+    ``start``."""
+    num = sum(((got[k] - want[k]) ** 2).sum() for k in want)
+    den = sum(((want[k] - start[k]) ** 2).sum() for k in want)
+    each = {k: ((got[k] - want[k]).norm() / (want[k] - start[k]).norm()).item() for k in want}
+    worst = max(each, key=each.get)
+    return (num / den).sqrt().item(), worst, each[worst]
+
+
+@pytest.fixture(scope="module")
+def mp_reference(llama_dir, tmp_path_factory):
+    """Per model: its checkpoint, its weights, and its weights after the
+    steps by hand."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("deepseek"))
+    torch.manual_seed(3)
+    DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_TINY)).save_pretrained(path)
+    out = {}
+    for kind, cls, where in (
+        ("llama", LlamaForCausalLM, llama_dir),
+        ("deepseek", DeepseekV3ForCausalLM, path),
+    ):
+        hf = cls.from_pretrained(where, dtype=torch.float32)
+        _by_hand(hf)
+        after = str(tmp_path_factory.mktemp(f"{kind}_after"))
+        hf.save_pretrained(after)
+        # Under checkpoint names (transformers stacks experts in memory).
+        out[kind] = where, _safetensors(where), _safetensors(after)
+    return out
+
+
+def _safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+
+
+def test_mixed_precision_steps_as_masters_by_hand_at_every_layout(mp_reference):
+    paths = {kind: where for kind, (where, _, _) in mp_reference.items()}
+    got = run_ranks(_mp_body, 2, paths, list(MP_LAYOUTS), timeout=400)[0]
+    for name, weights in got.items():
+        _, start, want = mp_reference[MP_LAYOUTS[name][0]]
+        want = {k: v for k, v in want.items() if k in weights}  # a tied head: once
+        assert weights.keys() == want.keys(), name
+        weights = {k: torch.from_numpy(v).float() for k, v in weights.items()}
+        assert all(w.dtype == torch.float32 for w in weights.values())
+        whole, worst, off = _distance(weights, want, start)
+        print(f"{name}: {whole:.3f} over the model, {off:.3f} for {worst}")
+        assert whole <= MP_TOL_MODEL and off <= MP_TOL_TENSOR, (name, whole, worst, off)
+
+
+def _loss_curve(path: str, steps: int, **kwargs) -> list[float]:
+    import dsparallel
+    from dsparallel.models import from_pretrained
+
+    model = from_pretrained(path, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=MP_LR)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 96, (16, SEQ), generator=g)  # a small corpus, learned
+    losses = []
+    for step in range(steps):
+        batch = ids[(step % 4) * 4 :][:4]
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    del dsparallel
+    return losses
+
+
+def test_mixed_precision_follows_the_float32_loss_curve_and_pure_bf16_does_not_keep_up(
+    llama_dir,
+):
+    """50 steps: the float32 masters keep the float32 run's losses within
+    1%; they train (the curve falls by a third)."""
+    import dsparallel
+
+    fp32 = _loss_curve(llama_dir, 50, dtype=torch.float32)
+    mixed = _loss_curve(llama_dir, 50, mixed_precision=dsparallel.MixedPrecision())
+    assert fp32[-1] < 0.67 * fp32[0]
+    worst = max(abs(m / f - 1) for m, f in zip(mixed, fp32))
+    assert worst <= 0.01, (worst, mixed, fp32)
+
+
+def test_mixed_precision_policies_and_their_errors(llama_dir):
+    import dsparallel
+    from dsparallel.mixed_precision import apply, compute_dtype
+    from dsparallel.models import Llama, from_pretrained
+
+    with pytest.raises(ValueError, match="param_dtype"):
+        dsparallel.MixedPrecision(param_dtype=torch.float32)
+    with pytest.raises(ValueError, match="mixed_precision keeps float32 master"):
+        from_pretrained(
+            llama_dir, dtype=torch.bfloat16, mixed_precision=dsparallel.MixedPrecision()
+        )
+    pure = from_pretrained(llama_dir, dtype=torch.bfloat16)
+    assert pure.precision == "pure bfloat16"
+    policy = dsparallel.MixedPrecision()
+    apply(pure, policy)  # a bf16 model put under a policy: its weights upcast exactly
+    assert pure.precision.startswith("mixed") and compute_dtype(pure) == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in pure.parameters())
+    apply(pure, policy)  # the same policy again: nothing
+    with pytest.raises(ValueError, match="already under"):
+        apply(pure, dsparallel.MixedPrecision(torch.float16))
+    model = Llama(dict(LLAMA, tie_word_embeddings=True), mixed_precision=policy)
+    ids = torch.randint(0, 96, (2, SEQ))
+    out = model(ids, labels=ids, return_logits=True)
+    assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    out.loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    # Outside a forward, module.weight is the master again.
+    assert model.embed_tokens.weight is dict(model.named_parameters())["embed_tokens.weight"]
+    with pytest.raises(IndexError):
+        model(torch.full((2, SEQ), 500))  # past the vocabulary: the embedding raises
+    assert "weight" not in model.embed_tokens.__dict__
+    for module in model.modules():
+        for name in getattr(module, "_dsp_cast", ((), None))[0]:
+            assert name not in module.__dict__, name
 
 
 # ------------------------------------------------------------ config round trip
