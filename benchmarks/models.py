@@ -114,7 +114,7 @@ def _measure(step, batches, args) -> dict:
     return {"tokens_per_s": stats(tokens / t for t in seconds), "peak_rss_mb": peak.item()}
 
 
-def _ours(rank, world, kind, tp, pp, ep, sp, path, args):
+def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused=False):
     import torch
 
     import dsparallel
@@ -123,7 +123,12 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args):
 
     torch.set_num_threads(1)
     state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
-    model = from_pretrained(path, state, dtype=torch.float32, sequence_parallel=sp)
+    kwargs = {
+        "fp32": {"dtype": torch.float32},
+        "mixed bf16": {"mixed_precision": dsparallel.MixedPrecision()},
+        "pure bf16": {"dtype": torch.bfloat16},
+    }[precision]
+    model = from_pretrained(path, state, sequence_parallel=sp, **kwargs)
     if pp > 1:
         wrap = None
         if state.dp_size > 1:
@@ -136,7 +141,7 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args):
         runner = model
         if state.dp_size > 1:
             runner = dsparallel.DistributedDataParallel(model, process_group=state.dp_group)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
     def step(batch):
         rows = batch.chunk(state.dp_size)[state.dp_rank]
@@ -154,7 +159,7 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args):
     return result
 
 
-def _transformers(rank, world, kind, path, ddp_options, experts, args):
+def _transformers(rank, world, kind, path, ddp_options, experts, args, bf16=False, fused=False):
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -165,11 +170,14 @@ def _transformers(rank, world, kind, path, ddp_options, experts, args):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
     model.train()
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
     def step(batch):
         rows = batch.chunk(world)[rank]
-        ddp(rows, labels=rows).loss.backward()
+        # bf16: torch.autocast, transformers' and torch's CPU mixed precision.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = ddp(rows, labels=rows).loss
+        loss.backward()
         opt.step()
         opt.zero_grad()
 
@@ -245,17 +253,80 @@ def _save_checkpoints(root: str) -> dict:
     return paths
 
 
+# The dtype axis: each model at its best fp32 layout (the layouts part),
+# float32 against bf16 mixed precision (float32 masters) and pure bf16,
+# against transformers under torch.autocast(bfloat16); AdamW at torch's
+# default (foreach) and fused, its best on the CPU.
+BEST = {
+    "llama": ("tp 4, sequence parallel", 4, 1, 1, True),
+    "deepseek": ("dp 4, ep 4", 1, 1, 4, False),
+}
+BF16_BASELINE = {"gradient_as_bucket_view": True, "static_graph": True}
+
+
+def _dtype_rows(paths, args) -> list[dict]:
+    rows = []
+    for kind in ("llama", "deepseek"):
+        experts = "grouped_mm" if kind == "deepseek" else None
+        for fused in (False, True):
+            adamw = "fused AdamW" if fused else "AdamW"
+            name = f"transformers + torch DDP/gloo, autocast bf16, {adamw}"
+            r = run_ranks(
+                _transformers, 4, kind, paths[kind], BF16_BASELINE, experts, args, True, fused
+            )
+            rows.append(
+                {
+                    "model": kind,
+                    "system": "baseline",
+                    "precision": "autocast bf16",
+                    "fused": fused,
+                    "layout": name,
+                    **r,
+                }
+            )
+            print(kind, name, f"{r['tokens_per_s']['median']:.0f} tokens/s")
+        layout, tp, pp, ep, sp = BEST[kind]
+        for precision in ("fp32", "mixed bf16", "pure bf16"):
+            for fused in (False, True):
+                r = run_ranks(_ours, 4, kind, tp, pp, ep, sp, paths[kind], args, precision, fused)
+                rows.append(
+                    {
+                        "model": kind,
+                        "system": "dsparallel",
+                        "precision": precision,
+                        "fused": fused,
+                        "layout": layout,
+                        **r,
+                    }
+                )
+                print(kind, layout, precision, fused, f"{r['tokens_per_s']['median']:.0f} tokens/s")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    ap.add_argument(
+        "--part",
+        choices=["layouts", "dtype", "all"],
+        default="all",
+        help="the layouts in float32 (results: models), the dtype axis (models_dtype)",
+    )
     a = ap.parse_args()
     args = {"steps": a.steps, "warmup": a.warmup, "seq": a.seq, "batch": a.batch}
     rows = []
     with tempfile.TemporaryDirectory() as root:
         paths = _save_checkpoints(root)
+        if a.part in ("dtype", "all"):
+            dtype_rows = _dtype_rows(paths, args)
+            config = {**vars(a), "llama": LLAMA, "deepseek": DEEPSEEK}
+            save("models_dtype", dtype_rows, config)
+            _print_dtype(dtype_rows)
+        if a.part == "dtype":
+            return
         for kind in ("llama", "deepseek"):
             baselines = [
                 ("transformers + torch DDP/gloo (defaults)", {}, None),
@@ -309,6 +380,19 @@ def main():
     for row in zip(load["anon_rise_mb"], load["file_pages_mb"], load["shard_mb"]):
         print("  " + " ".join(f"{v:6.0f}" for v in row))
     print(f"largest tensor {largest:.0f} MiB")
+
+
+def _print_dtype(rows) -> None:
+    for kind in ("llama", "deepseek"):
+        mine = [r for r in rows if r["model"] == kind]
+        print(f"\n{kind}: tokens/s, peak RSS MiB")
+        for r in mine:
+            t = r["tokens_per_s"]
+            adamw = "fused" if r["fused"] else "foreach"
+            print(
+                f"  {r['system']:>10} {r['precision']:<14} {adamw:<8} {t['median']:7.0f} "
+                f"[{t['min']:.0f}-{t['max']:.0f}] {r['peak_rss_mb']:7.0f}"
+            )
 
 
 if __name__ == "__main__":
