@@ -698,6 +698,58 @@ def _core_latency(r):
     )
 
 
+def _models_dtype(r):
+    cfg = r["config"]
+    lines = [
+        "The same models at their best float32 layout (Llama: tp 4 with sequence",
+        "parallelism; DeepSeek-V3: dp 4, ep 4), global batch",
+        f"{cfg['batch']} x {cfg['seq']} tokens: float32, bf16 mixed precision",
+        "(`dsparallel.MixedPrecision()`: float32 masters, gradients and AdamW state) and",
+        'pure bf16, against `transformers` under `torch.autocast("cpu", bfloat16)` over',
+        "torch's DDP/gloo (bucket views, static graph; DeepSeek-V3 with grouped_mm",
+        "experts). AdamW at torch's default (foreach) and fused. Ratios: against our",
+        "float32 with the same AdamW, and against the best `transformers` bf16 row.",
+        "",
+    ]
+    for kind in ("llama", "deepseek"):
+        rows = [x for x in r["rows"] if x["model"] == kind]
+        base = max(
+            (x for x in rows if x["system"] == "baseline"),
+            key=lambda x: x["tokens_per_s"]["median"],
+        )
+        fp32 = {
+            x["fused"]: x["tokens_per_s"]
+            for x in rows
+            if x["system"] == "dsparallel" and x["precision"] == "fp32"
+        }
+        body = [
+            [
+                x["system"],
+                x["precision"],
+                "fused" if x["fused"] else "foreach",
+                t(x["tokens_per_s"]),
+                ratio(x["tokens_per_s"], fp32[x["fused"]]) if x["system"] == "dsparallel" else "",
+                ratio(x["tokens_per_s"], base["tokens_per_s"]),
+                f"{x['peak_rss_mb']:.0f}",
+            ]
+            for x in rows
+        ]
+        lines += [f"**{kind}**", ""]
+        lines += table(
+            [
+                "system",
+                "precision",
+                "AdamW",
+                "tokens/s",
+                "/ our fp32",
+                "/ best transformers bf16",
+                "peak RSS MiB",
+            ],
+            body,
+        )
+    return lines
+
+
 def _shm_size(r):
     lines = ['Shared memory a "dsp" group reserves on a host (default settings).', ""]
     body = [[str(x["world"]), f"{x['segment_bytes'] / 1e6:.1f}"] for x in r["rows"] if "world" in x]
@@ -731,6 +783,7 @@ SECTIONS = [
     ("moe", "Expert parallel", "moe.py", _moe),
     ("hybrid", "Hybrid layouts of the GPT job", "hybrid.py", _hybrid),
     ("models", "Llama and DeepSeek-V3", "models.py", _models),
+    ("models_dtype", "Llama and DeepSeek-V3 in bf16", "models.py --part dtype", _models_dtype),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
     (

@@ -278,7 +278,9 @@ class DistributedDataParallel(nn.Module):
         for module in self.module.modules():
             own = [buffer_of[id(p)] for p in module.parameters(recurse=False) if id(p) in buffer_of]
             if own:
-                module.register_forward_pre_hook(_waiter(list({id(b): b for b in own}.values())))
+                # prepend: before a mixed-precision cast reads the parameters.
+                waiter = _waiter(list({id(b): b for b in own}.values()))
+                module.register_forward_pre_hook(waiter, prepend=True)
 
     def wait_param_gather(self) -> None:
         """With overlap_param_gather, the parameters hold the last step's

@@ -10,11 +10,12 @@ every strategy. Applied to a module (``apply``, which our
   under DDP, its slice under ZeRO), so any ``torch.optim`` optimizer keeps
   float32 state, and a checkpoint of the parameters is a checkpoint of the
   masters;
-- every module cast its own parameters to ``param_dtype`` as its forward
-  starts (a forward pre-hook puts the cast copy where ``module.weight``
-  finds it, and the forward's end takes it away), so the compute runs in
-  bfloat16 under any layout, schedule and recomputation (a recomputed
-  forward casts again);
+- its floating-point inputs cast to ``param_dtype`` (FSDP2's
+  ``cast_forward_inputs``), and every module cast its own parameters to
+  ``param_dtype`` as its forward starts (a forward pre-hook puts the cast
+  copy where ``module.weight`` finds it, and the forward's end takes it
+  away), so the compute runs in bfloat16 under any layout, schedule and
+  recomputation (a recomputed forward casts again);
 - the gradients float32: the cast's backward hands the bfloat16 gradient
   to the float32 parameter, and autograd adds micro-batches and
   ``no_sync`` steps into its float32 ``.grad``; DDP reduces them in
@@ -51,10 +52,12 @@ class MixedPrecision:
     reduce_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if self.param_dtype not in _NARROW:
+        if self.param_dtype != torch.bfloat16:
+            # float16's narrow exponent needs a loss scaler, which the
+            # strategies and checkpoints do not carry yet.
             raise ValueError(
-                f"MixedPrecision: param_dtype must be torch.bfloat16 or torch.float16, got "
-                f"{self.param_dtype} (float32 compute needs no policy)"
+                f"MixedPrecision: param_dtype must be torch.bfloat16, got {self.param_dtype} "
+                "(float16 would need a loss scaler; float32 compute needs no policy)"
             )
         if self.reduce_dtype not in (torch.float32, *_NARROW):
             raise ValueError(
@@ -91,6 +94,9 @@ def apply(module: nn.Module, policy: MixedPrecision) -> nn.Module:
             # always_call: a forward that raises must not leave the cast
             # copies where later reads of module.weight would find them.
             sub.register_forward_hook(_cast_out, always_call=True)
+    # As FSDP2's cast_forward_inputs: the floating inputs of the module put
+    # under the policy enter in its dtype (a model's token ids are not cast).
+    module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
     module._dsp_mixed_precision = policy
     return module
 
@@ -133,6 +139,15 @@ def _cast_in(module: nn.Module, _inputs) -> None:
         # finds parameters): module.weight reads the cast copy, while
         # named_parameters, state_dict and the optimizer keep the master.
         module.__dict__[name] = params[name].to(dtype)
+
+
+def _cast_inputs(module: nn.Module, args, kwargs):
+    dtype = module._dsp_mixed_precision.param_dtype
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
 def _cast_out(module: nn.Module, _inputs, _output) -> None:

@@ -13,11 +13,14 @@ asks for the blocks of the new layout, and DCP reads what overlaps them.
 
 The optimizer's per-element state (Adam's moments) has its parameter's
 shape, so it is cut by the same map, under ``optim.<name>.<state>``;
-``optim.step`` is the step count. A half-precision parameter that a
-``ZeroRedundancyOptimizer`` steps through an fp32 master copy has that copy
-saved too (``optim.<name>.master``), so that a resumed run continues from
-the masters, not from the rounded parameters. A ``ZeroRedundancyOptimizer`` first
-gathers each parameter's state from the slices of its data-parallel
+``optim.<name>.param_step`` is the step count of the parameter it is part
+of (``optim.step`` the largest). Each rank's CPU random generator state is
+saved (``rng.cpu.<rank>``) and restored by a run of the same world size.
+A half-precision parameter that a ``ZeroRedundancyOptimizer`` steps
+through an fp32 master copy has that copy saved too
+(``optim.<name>.master``), so that a resumed run continues from the
+masters, not from the rounded parameters. A ``ZeroRedundancyOptimizer``
+first gathers each parameter's state from the slices of its data-parallel
 group (so a rank holds its parameters' whole state while saving or
 loading, not only its slice: the price of a layout-free format, paid at
 checkpoint time only). Hyperparameters (learning rate, schedules) are the
@@ -32,6 +35,13 @@ import torch.distributed as dist
 from .models.agreement import publish, raise_if_any_failed, staging_path
 from .models.hf_map import Piece, materialize, split
 from .zero import MASTER, ZeroRedundancyOptimizer
+
+STEP = "param_step"  # optim.<name>.param_step: a parameter's own step count
+
+
+def _rng_key() -> str:
+    """This rank's CPU generator state: restored at the same world size."""
+    return f"rng.cpu.{dist.get_rank() if dist.is_initialized() else 0}"
 
 
 def _unwrap(model):
@@ -81,6 +91,43 @@ def _entries(model):
     return [(name, node, model._tensor(name)) for name, node in model.checkpoint_map().items()]
 
 
+def _pieces(model, name: str, node, t: torch.Tensor) -> list[Piece]:
+    """The checkpoint blocks ``t`` is saved as: its node's, or for a padded
+    vocabulary's table (``model.padded_keys``) the whole real tensor."""
+    key = getattr(model, "padded_keys", {}).get(name)
+    if key is None:
+        return [piece for piece, _ in split(node, t)]
+    return [Piece(key, (model.config.vocab_size, *t.shape[1:]))]
+
+
+def _blocks(model, name: str, node, t: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+    """(piece, block) of ``t`` as ``_pieces`` cuts it. A padded table's
+    rows do not fall in torch's even shards (each rank holds padded / tp
+    rows, the last ones padding): it is gathered over the tensor-parallel
+    group and saved whole, as a replicated tensor is (written once), at
+    the price of the whole table on each of its ranks while saving."""
+    if getattr(model, "padded_keys", {}).get(name) is None:
+        return split(node, t)
+    lay = model.layout
+    whole = torch.empty((t.shape[0] * lay.tp_size, *t.shape[1:]), dtype=t.dtype)
+    dist.all_gather_into_tensor(whole, t.contiguous(), group=lay.tp_group)
+    (piece,) = _pieces(model, name, node, t)
+    return [(piece, whole[: piece.shape[0]])]
+
+
+def _assemble(model, name: str, node, t: torch.Tensor, read) -> torch.Tensor:
+    """``t``'s value from the blocks ``read(piece)`` returns: the inverse of ``_blocks``."""
+    if getattr(model, "padded_keys", {}).get(name) is None:
+        return materialize(node, read)
+    (piece,) = _pieces(model, name, node, t)
+    whole = read(piece)
+    per, start = t.shape[0], model.layout.tp_rank * t.shape[0]
+    mine = torch.zeros_like(t, dtype=whole.dtype)
+    real = whole[start : start + per]
+    mine[: real.shape[0]] = real
+    return mine
+
+
 def _state_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the optimizer state is read in: the parameter's, fp32 for
     half precision (ZeRO's fp32 master slices and their moments; a plain
@@ -102,16 +149,22 @@ def save_checkpoint(path: str, model, optimizer=None) -> None:
     for name, node, t in _entries(model):
         if name in model._copies:
             continue
-        for piece, block in split(node, t.detach()):
+        for piece, block in _blocks(model, name, node, t.detach()):
             sd[f"model.{piece.key}"] = _wrap(model, piece, block.clone())
         for kind, v in states.get(t, {}).items():
             if torch.is_tensor(v) and v.dim() >= 1:
-                for piece, block in split(node, v):
+                for piece, block in _blocks(model, name, node, v):
                     sd[f"optim.{piece.key}.{kind}"] = _wrap(model, piece, block.clone())
             elif kind == "step":
+                # The parameter's own count (a parameter without a gradient
+                # in some step lags), under each of its checkpoint tensors.
+                own = torch.tensor(float(v), dtype=torch.float64)
+                for piece in _pieces(model, name, node, t):
+                    sd[f"optim.{piece.key}.{STEP}"] = own
                 step = max(step, float(v))
     if optimizer is not None:
         sd["optim.step"] = torch.tensor(step, dtype=torch.float64)
+    sd[_rng_key()] = torch.get_rng_state()
     # Written aside and renamed once complete: a failure leaves the
     # previous checkpoint at ``path`` as it was (DCP raises on every rank).
     staging = staging_path(path)
@@ -129,6 +182,7 @@ def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict) -> list
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     kinds = sorted(
         {k.rsplit(".", 1)[1] for k in saved if k.startswith("optim.") and k != "optim.step"}
+        - {STEP}
     )
     if optimizer is not None and "optim.step" not in saved:
         raise ValueError(f"load_checkpoint: {path} holds no optimizer state (saved without one)")
@@ -140,8 +194,8 @@ def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict) -> list
         local[name] = block
         wanted[name] = _wrap(model, piece, block)
 
-    for _, node, t in entries:
-        for piece, _ in split(node, t):
+    for name, node, t in entries:
+        for piece in _pieces(model, name, node, t):
             ask(f"model.{piece.key}", piece, t.dtype)
             if optimizer is not None and t.requires_grad:
                 for kind in kinds:
@@ -149,8 +203,13 @@ def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict) -> list
                     if kind == MASTER and name not in saved:
                         continue  # a parameter saved in full precision has none
                     ask(name, piece, _state_dtype(t))
+                name = f"optim.{piece.key}.{STEP}"
+                if name in saved:  # older checkpoints: the largest count only
+                    wanted[name] = torch.zeros((), dtype=torch.float64)
     if optimizer is not None:
         wanted["optim.step"] = torch.zeros((), dtype=torch.float64)
+    if _rng_key() in saved:  # at another world size the streams are new ones
+        wanted[_rng_key()] = torch.empty_like(torch.get_rng_state())
     return kinds
 
 
@@ -179,16 +238,21 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
     for name, value in wanted.items():
         if isinstance(value, DTensor):
             local[name].copy_(value.to_local())
+    if _rng_key() in wanted:
+        torch.set_rng_state(wanted[_rng_key()])
     states = {}
-    for _, node, t in entries:
-        t.copy_(materialize(node, lambda p: local[f"model.{p.key}"]))
+    for name, node, t in entries:
+        t.copy_(_assemble(model, name, node, t, lambda p: local[f"model.{p.key}"]))
         if optimizer is not None and t.requires_grad:
+            pieces = _pieces(model, name, node, t)
             entry = {
-                k: materialize(node, lambda p, k=k: local[f"optim.{p.key}.{k}"])
+                k: _assemble(model, name, node, t, lambda p, k=k: local[f"optim.{p.key}.{k}"])
                 for k in kinds
-                if k != MASTER or all(f"optim.{p.key}.{k}" in local for p, _ in split(node, t))
+                if k != MASTER or (pieces and all(f"optim.{p.key}.{k}" in local for p in pieces))
             }
-            entry["step"] = torch.tensor(float(wanted["optim.step"]), dtype=torch.float32)
+            own = [wanted.get(f"optim.{p.key}.{STEP}") for p in pieces]
+            step = own[0] if own and own[0] is not None else wanted["optim.step"]
+            entry["step"] = torch.tensor(float(step), dtype=torch.float32)
             states[t] = entry
     if optimizer is None:
         return

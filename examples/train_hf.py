@@ -137,19 +137,25 @@ class Trainer:
         return losses
 
 
-def make_trainer(model, state, zero_stage: int, micro_batches: int, lr: float) -> Trainer:
+def make_trainer(
+    model, state, zero_stage: int, micro_batches: int, lr: float, **ddp_options
+) -> Trainer:
     """``model`` (built for ``init_parallel``'s ``state``) trained with AdamW:
     its gradients averaged over the data- and context-parallel ranks by our
     DDP (stage 2: reduce-scattered), ZeRO stage 1/2 sharding AdamW's state
     over them, 1F1B over ``micro_batches`` under a pipeline. A model
-    already sharded by torch's FSDP2 (``fully_shard``) is trained as it is."""
+    already sharded by torch's FSDP2 (``fully_shard``) is trained as it is.
+    ``ddp_options`` go to our DDP (``overlap_param_gather=True``)."""
     replicas = state.dp_cp_group  # the ranks holding the same parameters
     ddps = []
 
     def wrap(module):
         ddps.append(
             dsparallel.DistributedDataParallel(
-                module, process_group=replicas, zero_stage=2 if zero_stage == 2 else 0
+                module,
+                process_group=replicas,
+                zero_stage=2 if zero_stage == 2 else 0,
+                **ddp_options,
             )
         )
         return ddps[-1]

@@ -36,8 +36,8 @@ from ..mixed_precision import apply as apply_mixed_precision
 from ..mixed_precision import describe as describe_precision
 from .gpt import stage_blocks
 from .hf_config import read_config
-from .hf_map import initial_value, materialize, rows, specs_of, split
-from .layers import Layout, RMSNorm, attention_mask_for, cached_mask, check_split, last_logits
+from .hf_map import initial_value, materialize, padded_rows, specs_of, split
+from .layers import Layout, RMSNorm, attention_mask_for, cached_mask, last_logits
 
 IGNORE_INDEX = -100
 
@@ -77,6 +77,7 @@ class CausalLM(nn.Module):
         sequence_parallel: bool = False,
         cp_mode: str = "ring",
         mixed_precision: MixedPrecision | None = None,
+        pad_vocab_to: int = 64,
         _initialize: bool = True,
     ):
         super().__init__()
@@ -95,15 +96,21 @@ class CausalLM(nn.Module):
         self.checkpoint = checkpoint
         self.check(cfg)
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
-        check_split("vocab_size", vocab, lay.tp_size)
+        self.padded_vocab = padded_vocab(vocab, lay.tp_size, pad_vocab_to)
         self.is_first, self.is_last = lay.pp_rank == 0, lay.pp_rank == lay.pp_size - 1
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         embed_key = "model.embed_tokens.weight"
         g, r, n = lay.tp_group, lay.tp_rank, lay.tp_size
         self.rotary = self.make_rotary()
+        table = self.padded_vocab, hidden
+        # Parameter name -> checkpoint key of the tables holding padded rows.
+        self.padded_keys: dict[str, str] = {}
         if self.is_first:
-            self.embed_tokens = tp.VocabParallelEmbedding(vocab, hidden, group=g, device="meta")
-            self.embed_tokens.hf_specs = {"weight": rows(embed_key, (vocab, hidden), r, n)}
+            self.embed_tokens = tp.VocabParallelEmbedding(*table, group=g, device="meta")
+            spec = padded_rows(embed_key, (vocab, hidden), r, n, self.padded_vocab)
+            self.embed_tokens.hf_specs = {"weight": spec}
+            if self.padded_vocab != vocab:
+                self.padded_keys["embed_tokens.weight"] = embed_key
         blocks = stage_blocks(cfg.num_hidden_layers, lay.pp_rank, lay.pp_size)
         self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in blocks})
         check_mode(
@@ -116,10 +123,13 @@ class CausalLM(nn.Module):
             self.norm = RMSNorm(hidden, cfg.rms_norm_eps, "model.norm.weight", lay)
             if not (self.tied and self.is_first):
                 self.lm_head = tp.ColumnParallelLinear(
-                    hidden, vocab, bias=False, group=g, sequence_parallel=lay.sp, device="meta"
+                    hidden, table[0], bias=False, group=g, sequence_parallel=lay.sp, device="meta"
                 )
                 key = embed_key if self.tied else "lm_head.weight"
-                self.lm_head.hf_specs = {"weight": rows(key, (vocab, hidden), r, n)}
+                spec = padded_rows(key, (vocab, hidden), r, n, self.padded_vocab)
+                self.lm_head.hf_specs = {"weight": spec}
+                if self.padded_vocab != vocab:
+                    self.padded_keys["lm_head.weight"] = key
                 if self.tied:
                     self._copies.add("lm_head.weight")
         if self.tied and lay.pp_size > 1:
@@ -226,6 +236,13 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] ids -> [seq (/tp), batch, hidden], this rank's part
         of the sequence under sequence parallelism."""
+        vocab = self.config.vocab_size
+        if self.padded_vocab != vocab and input_ids.numel() and int(input_ids.max()) >= vocab:
+            # The embedding would take ids of its padded rows.
+            raise IndexError(
+                f"{type(self).__name__}: token id {int(input_ids.max())} is outside the "
+                f"vocabulary [0, {vocab})"
+            )
         h = self.embed_tokens(input_ids).transpose(0, 1).contiguous()
         if self.layout.sp:
             h = tp.scatter_to_sequence_parallel_region(h, self.layout.tp_group)
@@ -247,8 +264,20 @@ class CausalLM(nn.Module):
         if self.tied and self.is_first:
             # Read outside the embedding's forward: no cast copy there.
             w = self.embed_tokens.weight.to(h.dtype)
-            return F.linear(self.layout.enter(h), w)
-        return self.lm_head(h)
+            logits = F.linear(self.layout.enter(h), w)
+        else:
+            logits = self.lm_head(h)
+        real = self._real_columns()
+        if real < logits.shape[-1]:
+            # The padded rows of a padded vocabulary never win and add
+            # nothing to the softmax (their gradient is zero).
+            logits[..., real:] = torch.finfo(logits.dtype).min
+        return logits
+
+    def _real_columns(self) -> int:
+        """How many of this rank's vocabulary columns are real (not padding)."""
+        per = self.padded_vocab // self.layout.tp_size
+        return max(0, min(per, self.config.vocab_size - self.layout.tp_rank * per))
 
     def loss_fn(
         self,
@@ -271,8 +300,8 @@ class CausalLM(nn.Module):
         batch, however unevenly the labels fall. The pipeline schedules pass
         it by themselves (they call ``count_items`` first)."""
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-        # In float32 whatever the compute dtype, as transformers' loss.
-        logits = logits.float()
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()  # as transformers' loss (float64 stays so)
         lay = self.layout
         if num_items_in_batch is None:
             count = (shifted != IGNORE_INDEX).sum().clamp(min=1)
@@ -329,7 +358,7 @@ class CausalLM(nn.Module):
             )
             if lay.cp_size > 1:
                 logits = context_parallel.unshard_sequence(logits, lay.cp_group, dim=0)
-            out.logits = logits.transpose(0, 1)
+            out.logits = logits.transpose(0, 1)[..., : self.config.vocab_size]
         return out
 
     def _pipelined(self, input_ids, labels, position_ids, mask, return_logits, num_items):
@@ -363,7 +392,8 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, mask, (cache[index], start))
         if not self.is_last:
             return h
-        return last_logits(self.vocab_parallel_logits(h[-1:]), self.layout)
+        logits = last_logits(self.vocab_parallel_logits(h[-1:]), self.layout)
+        return logits[:, : self.config.vocab_size]
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> dict:
         """This stage's KV cache: each layer's ``new_cache``."""
@@ -524,6 +554,19 @@ class CausalLM(nn.Module):
         stored = next(p.dtype for n, p in self.named_parameters() if "norm" in n)
         values["dtype"] = str(stored).removeprefix("torch.")
         return values
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int) -> int:
+    """The vocabulary size the embedding and LM head hold: ``vocab`` when
+    the tensor-parallel size divides it, else padded (as Megatron's
+    ``make_vocab_size_divisible_by``, vLLM's 64 per rank) to a multiple of
+    ``tp x multiple``."""
+    if vocab % tp == 0:
+        return vocab
+    if multiple < 1:
+        raise ValueError(f"pad_vocab_to must be a positive integer, got {multiple}")
+    step = tp * multiple
+    return -(-vocab // step) * step
 
 
 def _dsp_marks(p: torch.Tensor) -> dict:

@@ -100,10 +100,10 @@ def _weights(model) -> dict:
     weights = {}
     for name, p in model.named_parameters():
         counts = [held[block] for block in mine[name]]
-        if len(set(counts)) == 1:
-            weights[name] = 1.0 / counts[0]
+        if len(set(counts)) <= 1:  # none: padding only, whose gradient is zero
+            weights[name] = 1.0 / counts[0] if counts else 1.0
             continue
-        w = torch.empty(p.shape, dtype=torch.float64)
+        w = torch.zeros(p.shape, dtype=torch.float64)  # padded rows: no block
         for (_, block), count in zip(split(nodes[name], w), counts):
             block.fill_(1.0 / count)
         weights[name] = w

@@ -5,7 +5,8 @@ definition, how this rank's tensor is made from checkpoint tensors: a
 ``Piece`` is a block of one named tensor (whole, or a range of rows or
 columns), ``Cat`` joins pieces along a dim (a fused gate/up weight: this
 rank's gate rows, then its up rows), ``Stack`` stacks them (the experts
-of a layer). The one description serves both directions: ``materialize``
+of a layer), ``Pad`` adds rows no checkpoint holds (a padded
+vocabulary). The one description serves both directions: ``materialize``
 reads a parameter from the checkpoint (each piece through its own slice,
 never the whole tensor), ``split`` cuts a parameter back into pieces for
 ``save_pretrained`` to reassemble.
@@ -54,7 +55,18 @@ class Stack:
     parts: tuple
 
 
-Node = Union[Piece, Cat, Stack]
+@dataclass(frozen=True)
+class Pad:
+    """``part`` (None: nothing) followed by ``rows`` rows of zeros that no
+    checkpoint holds: the padded rows of a vocabulary the tensor-parallel
+    size does not divide. They are zeros when read, never saved."""
+
+    part: object
+    rows: int
+    tail: tuple[int, ...]  # the shape after dim 0
+
+
+Node = Union[Piece, Cat, Stack, Pad]
 
 
 def whole(key: str, shape) -> Piece:
@@ -71,6 +83,16 @@ def cols(key: str, shape, rank: int, size: int) -> Piece:
     return _even(key, tuple(shape), 1, rank, size)
 
 
+def padded_rows(key: str, shape, rank: int, size: int, padded: int) -> Node:
+    """Rank's share of the rows of ``shape`` padded to ``padded`` rows (a
+    multiple of ``size``): the checkpoint rows it covers, then zeros."""
+    per = padded // size
+    start = rank * per
+    real = max(0, min(per, shape[0] - start))
+    part = Piece(key, tuple(shape), 0, start, real) if real else None
+    return Pad(part, per - real, tuple(shape[1:])) if real < per else part
+
+
 def _even(key, shape, dim, rank, size) -> Piece:
     n = shape[dim] // size
     return Piece(key, shape, dim, rank * n, n)
@@ -79,6 +101,9 @@ def _even(key, shape, dim, rank, size) -> Piece:
 def node_shape(node: Node) -> tuple[int, ...]:
     if isinstance(node, Piece):
         return node.block_shape
+    if isinstance(node, Pad):
+        inner = node_shape(node.part)[0] if node.part is not None else 0
+        return (inner + node.rows, *node.tail)
     shapes = [node_shape(p) for p in node.parts]
     if isinstance(node, Stack):
         return (len(shapes), *shapes[0])
@@ -90,12 +115,20 @@ def node_shape(node: Node) -> tuple[int, ...]:
 def pieces_of(node: Node) -> list[Piece]:
     if isinstance(node, Piece):
         return [node]
+    if isinstance(node, Pad):
+        return pieces_of(node.part) if node.part is not None else []
     return [p for part in node.parts for p in pieces_of(part)]
 
 
 def materialize(node: Node, read: Callable[[Piece], torch.Tensor]) -> torch.Tensor:
     if isinstance(node, Piece):
         return read(node)
+    if isinstance(node, Pad):
+        zeros = torch.zeros(node.rows, *node.tail)
+        if node.part is None:
+            return zeros
+        block = materialize(node.part, read)
+        return torch.cat([block, zeros.to(block.dtype)])
     parts = [materialize(p, read) for p in node.parts]
     return torch.stack(parts) if isinstance(node, Stack) else torch.cat(parts, node.dim)
 
@@ -104,6 +137,10 @@ def split(node: Node, tensor: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
     """The inverse of ``materialize``: (piece, its block of ``tensor``)."""
     if isinstance(node, Piece):
         return [(node, tensor)]
+    if isinstance(node, Pad):
+        if node.part is None:
+            return []
+        return split(node.part, tensor[: tensor.shape[0] - node.rows])
     if isinstance(node, Stack):
         blocks = tensor.unbind(0)
     else:

@@ -414,10 +414,8 @@ def _bad_layout_body(rank, world):
     state = dsparallel.init_parallel(4, 1)
     for cfg, what in (
         (dict(LLAMA, num_attention_heads=6, num_key_value_heads=3), "num_attention_heads=6"),
-        (
-            dict(LLAMA, num_attention_heads=8, num_key_value_heads=8, head_dim=16, vocab_size=98),
-            "vocab_size=98",
-        ),
+        # (A vocabulary tp does not divide is padded: test_real_runs.)
+        (dict(LLAMA, intermediate_size=98), "intermediate_size=98"),
     ):
         try:
             Llama(dict(cfg, model_type="llama"), state)

@@ -400,6 +400,8 @@ MP_LAYOUTS = {  # name: (model, tp, pp, ep, cp, zero, model kwargs)
     "pp2-recompute": ("llama", 1, 2, 1, 1, 0, {"checkpoint": True}),
     "cp2": ("llama", 1, 1, 1, 2, 0, {}),
     "dp2-zero2-reduce-bf16": ("llama", 1, 1, 1, 1, 2, {"reduce_dtype": torch.bfloat16}),
+    # The all-gather of a step's parameters overlapping the next forward.
+    "dp2-zero2-overlap": ("llama", 1, 1, 1, 1, 2, {"overlap_param_gather": True}),
     "ep2-zero1": ("deepseek", 1, 1, 2, 1, 1, {}),
     # torch's FSDP2 over "dsp" with torch's own MixedPrecisionPolicy.
     "fsdp2-torch-policy": ("llama", 1, 1, 1, 1, 0, {"fsdp": True}),
@@ -471,6 +473,7 @@ def _mp_body(rank, world, paths, layouts):
         kwargs = dict(kwargs)
         policy = dsparallel.MixedPrecision(reduce_dtype=kwargs.pop("reduce_dtype", torch.float32))
         fsdp = kwargs.pop("fsdp", False)
+        overlap = kwargs.pop("overlap_param_gather", False)
         if fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -482,7 +485,8 @@ def _mp_body(rank, world, paths, layouts):
         else:
             model = from_pretrained(paths[kind], state, mixed_precision=policy, **kwargs)
             assert model.precision == "mixed bfloat16 (float32 masters)"
-        trainer = make_trainer(model, state, zero, micro_batches=2, lr=MP_LR)
+        options = {"overlap_param_gather": True} if overlap else {}
+        trainer = make_trainer(model, state, zero, micro_batches=2, lr=MP_LR, **options)
         assert all(ddp.mixed_precision == policy for ddp in trainer.ddps)
         computed = set()  # the dtype each decoder layer computed in
         hooks = [
@@ -494,6 +498,8 @@ def _mp_body(rank, world, paths, layouts):
         assert computed == {torch.bfloat16}, (name, computed)
         for hook in hooks:
             hook.remove()
+        for ddp in trainer.ddps:
+            ddp.wait_param_gather()
         if fsdp:  # the float32 shards, whole, in a model without FSDP2
             whole = from_pretrained(paths[kind], state, dtype=torch.float32)
             with torch.no_grad():
@@ -560,7 +566,6 @@ def test_mixed_precision_steps_as_masters_by_hand_at_every_layout(mp_reference):
 
 
 def _loss_curve(path: str, steps: int, **kwargs) -> list[float]:
-    import dsparallel
     from dsparallel.models import from_pretrained
 
     model = from_pretrained(path, **kwargs)
@@ -575,13 +580,10 @@ def _loss_curve(path: str, steps: int, **kwargs) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    del dsparallel
     return losses
 
 
-def test_mixed_precision_follows_the_float32_loss_curve_and_pure_bf16_does_not_keep_up(
-    llama_dir,
-):
+def test_mixed_precision_follows_the_float32_loss_curve(llama_dir):
     """50 steps: the float32 masters keep the float32 run's losses within
     1%; they train (the curve falls by a third)."""
     import dsparallel
@@ -612,7 +614,9 @@ def test_mixed_precision_policies_and_their_errors(llama_dir):
     assert all(p.dtype == torch.float32 for p in pure.parameters())
     apply(pure, policy)  # the same policy again: nothing
     with pytest.raises(ValueError, match="already under"):
-        apply(pure, dsparallel.MixedPrecision(torch.float16))
+        apply(pure, dsparallel.MixedPrecision(reduce_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="loss scaler"):
+        dsparallel.MixedPrecision(param_dtype=torch.float16)
     model = Llama(dict(LLAMA, tie_word_embeddings=True), mixed_precision=policy)
     ids = torch.randint(0, 96, (2, SEQ))
     out = model(ids, labels=ids, return_logits=True)
@@ -627,6 +631,169 @@ def test_mixed_precision_policies_and_their_errors(llama_dir):
     for module in model.modules():
         for name in getattr(module, "_dsp_cast", ((), None))[0]:
             assert name not in module.__dict__, name
+
+
+# ------------------------------------------------------------ vocabulary padding
+
+ODD_VOCAB = 97  # prime: no tensor-parallel size divides it
+PAD_LAYOUTS = [("tp2", 2, False), ("tp4", 4, False), ("tp4-tied", 4, True)]
+
+
+@pytest.fixture(scope="module")
+def odd_vocab(tmp_path_factory):
+    """Per tying: the checkpoint of a Llama whose vocabulary is 97, and
+    transformers' logits, loss and gradients (fp64) of a batch with -100
+    labels, and its greedy continuation of the batch (5 tokens)."""
+    pytest.importorskip("transformers")
+    ids, labels = _uneven_labels()
+    ids = ids * ODD_VOCAB // 96 + 1  # ids up to 96, the last real row
+    ref = {}
+    for tied in (False, True):
+        path = str(tmp_path_factory.mktemp(f"vocab97-{tied}"))
+        _save_hf(path, vocab_size=ODD_VOCAB, tie_word_embeddings=tied)
+        hf = _hf_fp64(path)
+        out = hf(ids)
+        loss = _whole_batch_loss(hf, ids, labels)
+        loss.backward()
+        grads = {n: p.grad for n, p in hf.named_parameters() if n != "lm_head.weight" or not tied}
+        new = ids
+        with torch.no_grad():
+            for _ in range(5):
+                new = torch.cat([new, hf(new).logits[:, -1:].argmax(-1)], 1)
+        ref[tied] = path, out.logits.detach(), loss.detach(), grads, new
+    return ids, labels, ref
+
+
+def _padded_body(rank, world, ids, labels, paths, root):
+    """Per layout: logits, loss and gradients of the batch, the greedy
+    continuation, and the weights of a save_pretrained; then a training
+    checkpoint saved at tp 4 and loaded at tp 2 x dp 2."""
+    import dsparallel
+    from dsparallel.inference import generate
+    from dsparallel.models import from_pretrained
+
+    out = {}
+    for name, tp, tied in PAD_LAYOUTS:
+        state = dsparallel.init_parallel(tp, 1)
+        model = from_pretrained(paths[tied], state, dtype=torch.float64)
+        assert model.padded_vocab == tp * 64 * -(-ODD_VOCAB // (tp * 64))
+        logits = model(ids).logits
+        result = model(ids, labels=labels)
+        result.loss.backward()
+        grads = model.hf_state_dict(grads=True)
+        continued = generate(model, ids, max_new_tokens=5)
+        saved = os.path.join(root, name)
+        model.save_pretrained(saved)
+        try:  # an id of a padded row
+            model(torch.full((1, SEQ), ODD_VOCAB))
+            bad = None
+        except IndexError as e:
+            bad = str(e)
+        out[name] = {
+            "logits": logits.detach().numpy(),
+            "loss": result.loss.item(),
+            "grads": _by_value(grads),
+            "generated": continued.numpy(),
+            "bad": bad,
+        }
+        if name == "tp4":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            opt.step()
+            out["stepped"] = _by_value(model.hf_state_dict())
+            dsparallel.save_checkpoint(os.path.join(root, "train"), model, opt)
+        dsparallel.destroy_parallel()
+    state = dsparallel.init_parallel(2, 1)
+    model = from_pretrained(paths[False], state, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dsparallel.load_checkpoint(os.path.join(root, "train"), model, opt)
+    out["resumed"] = _by_value(model.hf_state_dict())
+    dsparallel.destroy_parallel()
+    return out
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded_and_equals_transformers(odd_vocab, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    ids, labels, ref = odd_vocab
+    paths = {tied: path for tied, (path, *_) in ref.items()}
+    every = run_ranks(_padded_body, 4, ids, labels, paths, str(tmp_path), timeout=300)
+    for out in every:
+        for name, _, tied in PAD_LAYOUTS:
+            path, logits, loss, grads, generated = ref[tied]
+            got = out[name]
+            assert got["logits"].shape == (BATCH, SEQ, ODD_VOCAB), name
+            _assert_close(torch.from_numpy(got["logits"]), logits, f"{name}: logits")
+            assert abs(got["loss"] - loss.item()) <= FP64_TOL * loss.item(), name
+            assert got["grads"].keys() == grads.keys(), name
+            for k, g in got["grads"].items():
+                _assert_close(torch.from_numpy(g), grads[k], f"{name}: gradient of {k}")
+            assert (torch.from_numpy(got["generated"]) == generated).all(), name
+            assert "token id 97 is outside the vocabulary [0, 97)" in got["bad"], name
+        for k, w in out["resumed"].items():
+            assert (w == out["stepped"][k]).all(), f"{k}: resumed at tp 2 from tp 4"
+    for name, _, tied in PAD_LAYOUTS:
+        path = ref[tied][0]
+        (shard,) = (tmp_path / name).glob("*.safetensors")
+        saved = load_file(str(shard))
+        original = load_file(os.path.join(path, "model.safetensors"))
+        assert saved.keys() == original.keys(), name
+        for k, v in original.items():
+            assert saved[k].shape == v.shape and (saved[k] == v).all(), f"{name}: saved {k}"
+        LlamaForCausalLM.from_pretrained(str(tmp_path / name))  # loads, vocabulary 97
+
+
+def test_the_padded_size_is_a_multiple_of_tp_times_64():
+    from dsparallel.models.causal_lm import padded_vocab
+
+    assert padded_vocab(97, 1, 64) == 97  # one process: nothing to pad
+    assert padded_vocab(96, 2, 64) == 96  # divisible: nothing to pad
+    assert padded_vocab(97, 2, 64) == 128
+    assert padded_vocab(50257, 8, 64) == 50688
+    assert padded_vocab(151665, 4, 64) == 151808
+    with pytest.raises(ValueError, match="pad_vocab_to"):
+        padded_vocab(97, 2, 0)
+
+
+def _own_steps_body(rank, world, path, root):
+    """3 AdamW steps at tp 2 in which the final norm has no gradient in the
+    second: its own step count (2) and the others' (3) come back from a
+    checkpoint, and so does each rank's random generator state."""
+    import dsparallel
+    from dsparallel.models import from_pretrained
+
+    def build():
+        state = dsparallel.init_parallel(2, 1)
+        model = from_pretrained(path, state)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = build()
+    batch = _tied_batches()[0][:2]
+    for i in range(3):
+        model(batch, labels=batch).loss.backward()
+        if i == 1:
+            model.norm.weight.grad = None  # torch's AdamW skips it
+        opt.step()
+        opt.zero_grad()
+    steps = {n: float(opt.state[p]["step"]) for n, p in model.named_parameters()}
+    torch.manual_seed(100 + rank)
+    dsparallel.save_checkpoint(os.path.join(root, "ckpt"), model, opt)
+    drawn = torch.rand(3)
+    dsparallel.destroy_parallel()
+    model, opt = build()
+    torch.manual_seed(0)
+    dsparallel.load_checkpoint(os.path.join(root, "ckpt"), model, opt)
+    again = torch.rand(3)
+    loaded = {n: float(opt.state[p]["step"]) for n, p in model.named_parameters()}
+    dsparallel.destroy_parallel()
+    return steps, loaded, drawn.tolist(), again.tolist()
+
+
+def test_a_checkpoint_keeps_each_parameters_step_and_the_rng(llama_dir, tmp_path):
+    for steps, loaded, drawn, again in run_ranks(_own_steps_body, 2, llama_dir, str(tmp_path)):
+        assert steps["norm.weight"] == 2.0 and steps["embed_tokens.weight"] == 3.0
+        assert loaded == steps
+        assert again == drawn
 
 
 # ------------------------------------------------------------ config round trip
