@@ -126,6 +126,9 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused
     kwargs = {
         "fp32": {"dtype": torch.float32},
         "mixed bf16": {"mixed_precision": dsparallel.MixedPrecision()},
+        "mixed bf16, bf16 reduce": {
+            "mixed_precision": dsparallel.MixedPrecision(reduce_dtype=torch.bfloat16)
+        },
         "pure bf16": {"dtype": torch.bfloat16},
     }[precision]
     model = from_pretrained(path, state, sequence_parallel=sp, **kwargs)
@@ -254,7 +257,8 @@ def _save_checkpoints(root: str) -> dict:
 
 
 # The dtype axis: each model at its best fp32 layout (the layouts part),
-# float32 against bf16 mixed precision (float32 masters) and pure bf16,
+# float32 against bf16 mixed precision (float32 masters; gradients reduced
+# in float32, and in bf16 where data parallel reduces them) and pure bf16,
 # against transformers under torch.autocast(bfloat16); AdamW at torch's
 # default (foreach) and fused, its best on the CPU.
 BEST = {
@@ -286,7 +290,10 @@ def _dtype_rows(paths, args) -> list[dict]:
             )
             print(kind, name, f"{r['tokens_per_s']['median']:.0f} tokens/s")
         layout, tp, pp, ep, sp = BEST[kind]
-        for precision in ("fp32", "mixed bf16", "pure bf16"):
+        precisions = ["fp32", "mixed bf16", "pure bf16"]
+        if 4 // (tp * pp) > 1:  # data parallel reduces the gradients
+            precisions.insert(2, "mixed bf16, bf16 reduce")
+        for precision in precisions:
             for fused in (False, True):
                 r = run_ranks(_ours, 4, kind, tp, pp, ep, sp, paths[kind], args, precision, fused)
                 rows.append(
