@@ -36,7 +36,7 @@ from ..mixed_precision import apply as apply_mixed_precision
 from ..mixed_precision import describe as describe_precision
 from .gpt import stage_blocks
 from .hf_config import read_config
-from .hf_map import initial_value, materialize, padded_rows, specs_of, split
+from .hf_map import initial_block, materialize, padded_rows, specs_of, split
 from .layers import Layout, RMSNorm, attention_mask_for, cached_mask, last_logits
 
 IGNORE_INDEX = -100
@@ -497,7 +497,7 @@ class CausalLM(nn.Module):
         std = self.config.get("initializer_range", 0.02)
         for name, node in self.checkpoint_map().items():
             t = self._tensor(name)
-            full = materialize(node, lambda p: initial_value(p.key, p.shape, seed, std)[p.index()])
+            full = materialize(node, lambda p: initial_block(p, seed, std))
             t.copy_(full)
 
     @torch.no_grad()

@@ -250,6 +250,9 @@ class Experts(nn.Module):
         # Under sequence parallelism the tensor-parallel ranks route
         # different tokens through the same experts: their gradients add.
         gate_up, down = self.layout.shared(self.gate_up), self.layout.shared(self.down)
+        # unbind, not gate_up[e]: each index's backward would fill and add a
+        # zero gradient of the whole stack, once per expert.
+        gate_up, down = gate_up.unbind(0), down.unbind(0)
         out = []
         for (e, _), part in zip(chunks, parts):
             gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)

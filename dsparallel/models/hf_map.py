@@ -157,14 +157,30 @@ def specs_of(module: torch.nn.Module) -> dict[str, Node]:
     return out
 
 
-def initial_value(key: str, shape, seed: int, std: float) -> torch.Tensor:
-    """The value a freshly built model gives checkpoint tensor ``key``,
-    from a generator seeded by the seed and the name alone: the same model
-    in every layout. Norm weights are ones, DeepSeek's score-correction
-    bias zeros, everything else N(0, std) as ``transformers`` initialises."""
+def initial_block(piece: Piece, seed: int, std: float) -> torch.Tensor:
+    """The block ``piece`` of the value a freshly built model gives its
+    checkpoint tensor: norm weights ones, DeepSeek's score-correction bias
+    zeros, everything else N(0, std) as ``transformers`` initialises. A
+    matrix is drawn row by row, each row from a generator seeded by the
+    seed, the name and the row alone, so a rank draws only its own rows (a
+    block of columns: each whole row in turn, one at a time, never the
+    whole tensor) and every layout builds the same model."""
+    key, shape = piece.key, piece.shape
     if key.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(piece.block_shape)
     if key.endswith("e_score_correction_bias"):
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.empty(shape).normal_(0.0, std, generator=g)
+        return torch.zeros(piece.block_shape)
+    base = seed * 1_000_003 + zlib.crc32(key.encode())
+    g = torch.Generator().manual_seed(base)
+    if len(shape) < 2:
+        return torch.empty(shape).normal_(0.0, std, generator=g)[piece.index()]
+    first, count = (piece.start, piece.length) if piece.dim == 0 else (0, shape[0])
+    out = torch.empty(piece.block_shape)
+    row = torch.empty(shape[1:])
+    for j in range(count):
+        g.manual_seed(base * 1_000_033 + first + j)
+        if piece.dim == 1:
+            out[j] = row.normal_(0.0, std, generator=g)[piece.start : piece.start + piece.length]
+        else:
+            out[j].normal_(0.0, std, generator=g)
+    return out

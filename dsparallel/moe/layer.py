@@ -48,7 +48,10 @@ class GroupedExperts(nn.Module):
         expert appears at least once (empty blocks too), so each gets a
         gradient."""
         parts = rows.split([n for _, n in chunks])
-        out = [F.gelu(part @ self.w1[e]) @ self.w2[e] for (e, _), part in zip(chunks, parts)]
+        # unbind, not w1[e]: each index's backward would fill and add a zero
+        # gradient of the whole stack, once per expert.
+        w1, w2 = self.w1.unbind(0), self.w2.unbind(0)
+        out = [F.gelu(part @ w1[e]) @ w2[e] for (e, _), part in zip(chunks, parts)]
         return torch.cat(out) if out else rows
 
 

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..models.causal_lm import padded_vocab
 from ..models.checkpoint_io import model_classes
 from ..models.gpt import GPTConfig, stage_blocks
 
@@ -152,15 +153,16 @@ def _hf(model: Model, n: int, pp: int, ep: int, stage: int) -> list[Tensor]:
     tied = bool(g("tie_word_embeddings", False))
     out: list[Tensor] = []
     first, last = stage == 0, stage == pp - 1
+    rows = padded_vocab(v, n, 64) // n  # the models pad what tp does not divide
     if first:
-        out.append(Tensor("model.embed_tokens.weight", (_split("vocab_size", v, n), h)))
+        out.append(Tensor("model.embed_tokens.weight", (rows, h)))
     make = _llama_layer if model.kind == "llama" else _deepseek_layer
     for i in stage_blocks(model.layers, stage, pp):
         out += make(model, i, n, ep, heads)
     if last:
         out.append(Tensor("model.norm.weight", (h,)))
         if not (tied and first):
-            out.append(Tensor("lm_head.weight", (v // n, h)))
+            out.append(Tensor("lm_head.weight", (rows, h)))
     return out
 
 
