@@ -256,7 +256,7 @@ def _save_checkpoints(root: str) -> dict:
     return paths
 
 
-# The dtype axis: each model at its best fp32 layout (the layouts part),
+# The dtype axis: each model at one fast fp32 layout (of the layouts part),
 # float32 against bf16 mixed precision (float32 masters; gradients reduced
 # in float32, and in bf16 where data parallel reduces them) and pure bf16,
 # against transformers under torch.autocast(bfloat16); AdamW at torch's

@@ -701,7 +701,7 @@ def _core_latency(r):
 def _models_dtype(r):
     cfg = r["config"]
     lines = [
-        "The same models at their best float32 layout (Llama: tp 4 with sequence",
+        "The same models at one fast float32 layout each (Llama: tp 4 with sequence",
         "parallelism; DeepSeek-V3: dp 4, ep 4), global batch",
         f"{cfg['batch']} x {cfg['seq']} tokens: float32, bf16 mixed precision",
         "(`dsparallel.MixedPrecision()`: float32 masters, gradients and AdamW state) and",

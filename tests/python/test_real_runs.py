@@ -403,6 +403,11 @@ MP_LAYOUTS = {  # name: (model, tp, pp, ep, cp, zero, model kwargs)
     # The all-gather of a step's parameters overlapping the next forward.
     "dp2-zero2-overlap": ("llama", 1, 1, 1, 1, 2, {"overlap_param_gather": True}),
     "ep2-zero1": ("deepseek", 1, 1, 2, 1, 1, {}),
+    "deepseek-dp2-zero0": ("deepseek", 1, 1, 1, 1, 0, {}),
+    "deepseek-dp2-zero2": ("deepseek", 1, 1, 1, 1, 2, {}),
+    "deepseek-tp2-sp": ("deepseek", 2, 1, 1, 1, 0, {"sequence_parallel": True}),
+    "deepseek-pp2-recompute": ("deepseek", 1, 2, 1, 1, 0, {"checkpoint": True}),
+    "deepseek-cp2": ("deepseek", 1, 1, 1, 2, 1, {}),
     # torch's FSDP2 over "dsp" with torch's own MixedPrecisionPolicy.
     "fsdp2-torch-policy": ("llama", 1, 1, 1, 1, 0, {"fsdp": True}),
 }
