@@ -570,6 +570,48 @@ def test_mixed_precision_steps_as_masters_by_hand_at_every_layout(mp_reference):
         assert whole <= MP_TOL_MODEL and off <= MP_TOL_TENSOR, (name, whole, worst, off)
 
 
+def _plain_module_body(rank, world):
+    """A module of the user's own under our DDP with ZeRO-2 and a policy,
+    3 SGD steps on half the batch each, against the same module under the
+    same policy in this process on the whole batch: how far apart, in units
+    of how far the weights moved."""
+    import copy
+
+    import dsparallel
+    from dsparallel.mixed_precision import apply
+
+    policy = dsparallel.MixedPrecision()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)
+    ).bfloat16()  # upcast exactly by the policy
+    ref = apply(copy.deepcopy(net), policy)
+    start = [p.detach().clone() for p in ref.parameters()]
+    model = dsparallel.DistributedDataParallel(net, zero_stage=2, mixed_precision=policy)
+    opt = dsparallel.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+        out = model(x.chunk(world)[rank])  # a float32 input, cast by the policy
+        (out.float() - y.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        (ref(x).float() - y).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert out.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    moved = sum(((r - s) ** 2).sum() for r, s in zip(ref.parameters(), start)).sqrt()
+    off = sum(((p - r) ** 2).sum() for p, r in zip(net.parameters(), ref.parameters())).sqrt()
+    return (off / moved).item()
+
+
+def test_our_ddp_puts_a_plain_module_under_the_policy():
+    for off in run_ranks(_plain_module_body, 2):
+        assert off <= 0.02, off
+
+
 def _loss_curve(path: str, steps: int, **kwargs) -> list[float]:
     from dsparallel.models import from_pretrained
 
