@@ -374,6 +374,8 @@ def _waiter(buffers):
     return wait
 
 
+# Our compress hook per dtype: a policy's reduce_dtype, and what a hook
+# passed to register_comm_hook reduces in.
 _COMPRESS = {torch.bfloat16: bf16_compress_hook, torch.float16: fp16_compress_hook}
 
 
@@ -381,12 +383,7 @@ def _compress_dtype(hook) -> torch.dtype | None:
     """The dtype a known compress hook (ours or torch's) reduces in."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from . import comm_hooks
-
-    known = {
-        comm_hooks.bf16_compress_hook: torch.bfloat16,
-        comm_hooks.fp16_compress_hook: torch.float16,
-        default_hooks.bf16_compress_hook: torch.bfloat16,
-        default_hooks.fp16_compress_hook: torch.float16,
-    }
+    known = {ours: dtype for dtype, ours in _COMPRESS.items()}
+    known[default_hooks.bf16_compress_hook] = torch.bfloat16
+    known[default_hooks.fp16_compress_hook] = torch.float16
     return known.get(hook)

@@ -91,10 +91,15 @@ def _entries(model):
     return [(name, node, model._tensor(name)) for name, node in model.checkpoint_map().items()]
 
 
+def _padded_key(model, name: str) -> str | None:
+    """The checkpoint key of ``name`` if it is a padded vocabulary's table."""
+    return getattr(model, "padded_keys", {}).get(name)
+
+
 def _pieces(model, name: str, node, t: torch.Tensor) -> list[Piece]:
     """The checkpoint blocks ``t`` is saved as: its node's, or for a padded
-    vocabulary's table (``model.padded_keys``) the whole real tensor."""
-    key = getattr(model, "padded_keys", {}).get(name)
+    vocabulary's table the whole real tensor."""
+    key = _padded_key(model, name)
     if key is None:
         return [piece for piece, _ in split(node, t)]
     return [Piece(key, (model.config.vocab_size, *t.shape[1:]))]
@@ -106,7 +111,7 @@ def _blocks(model, name: str, node, t: torch.Tensor) -> list[tuple[Piece, torch.
     rows, the last ones padding): it is gathered over the tensor-parallel
     group and saved whole, as a replicated tensor is (written once), at
     the price of the whole table on each of its ranks while saving."""
-    if getattr(model, "padded_keys", {}).get(name) is None:
+    if _padded_key(model, name) is None:
         return split(node, t)
     lay = model.layout
     whole = torch.empty((t.shape[0] * lay.tp_size, *t.shape[1:]), dtype=t.dtype)
@@ -117,7 +122,7 @@ def _blocks(model, name: str, node, t: torch.Tensor) -> list[tuple[Piece, torch.
 
 def _assemble(model, name: str, node, t: torch.Tensor, read) -> torch.Tensor:
     """``t``'s value from the blocks ``read(piece)`` returns: the inverse of ``_blocks``."""
-    if getattr(model, "padded_keys", {}).get(name) is None:
+    if _padded_key(model, name) is None:
         return materialize(node, read)
     (piece,) = _pieces(model, name, node, t)
     whole = read(piece)
