@@ -48,7 +48,6 @@ _UNSUPPORTED_KWARGS = {
     "init_sync": True,
     "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None,
-    "mixed_precision": None,
     "device_mesh": None,
     "skip_all_reduce_unused_params": False,
 }
@@ -136,6 +135,11 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                "DistributedDataParallel: mixed_precision must be a dsparallel.MixedPrecision "
+                f"(torch DDP's experimental _MixedPrecision is not it), got {mixed_precision!r}"
+            )
         if mixed_precision is not None:
             # Before the buckets are laid out: they hold float32 gradients.
             mixed_precision_apply(module, mixed_precision)
