@@ -393,6 +393,13 @@ def _hybrid(r):
     return lines
 
 
+def _fastest_baseline(rows):
+    return max(
+        (x for x in rows if x["system"] == "baseline"),
+        key=lambda x: x["tokens_per_s"]["median"],
+    )
+
+
 def _models(r):
     cfg = r["config"]
     lines = [
@@ -404,10 +411,7 @@ def _models(r):
     ]
     for kind in ("llama", "deepseek"):
         rows = [x for x in r["rows"] if x["model"] == kind]
-        base = max(
-            (x for x in rows if x["system"] == "baseline"),
-            key=lambda x: x["tokens_per_s"]["median"],
-        )
+        base = _fastest_baseline(rows)
         body = [
             [
                 x["system"],
@@ -713,10 +717,7 @@ def _models_dtype(r):
     ]
     for kind in ("llama", "deepseek"):
         rows = [x for x in r["rows"] if x["model"] == kind]
-        base = max(
-            (x for x in rows if x["system"] == "baseline"),
-            key=lambda x: x["tokens_per_s"]["median"],
-        )
+        base = _fastest_baseline(rows)
         fp32 = {
             x["fused"]: x["tokens_per_s"]
             for x in rows

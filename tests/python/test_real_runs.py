@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from dist_utils import run_ranks
+from test_models import DEEPSEEK  # the tiny DeepSeek-V3 the model tests use
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP64_TOL = 1e-6  # of the largest element of the tensor compared
@@ -411,26 +412,12 @@ MP_LAYOUTS = {  # name: (model, tp, pp, ep, cp, zero, model kwargs)
     # torch's FSDP2 over "dsp" with torch's own MixedPrecisionPolicy.
     "fsdp2-torch-policy": ("llama", 1, 1, 1, 1, 0, {"fsdp": True}),
 }
-DEEPSEEK_TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    max_position_embeddings=64,
-)
+# The model tests' DeepSeek-V3 with four experts and default RoPE: with
+# eight experts (or YaRN) a rarely chosen expert's (or a norm's) distance
+# from the reference comes near the bound, a matter of which tokens bf16
+# rounding routes where.
+MP_DEEPSEEK = {k: v for k, v in DEEPSEEK.items() if k != "rope_parameters"}
+MP_DEEPSEEK["n_routed_experts"] = 4
 
 
 def _mp_batches() -> list[torch.Tensor]:
@@ -535,7 +522,7 @@ def mp_reference(llama_dir, tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("deepseek"))
     torch.manual_seed(3)
-    DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_TINY)).save_pretrained(path)
+    DeepseekV3ForCausalLM(DeepseekV3Config(**MP_DEEPSEEK)).save_pretrained(path)
     out = {}
     for kind, cls, where in (
         ("llama", LlamaForCausalLM, llama_dir),
@@ -857,25 +844,7 @@ def test_a_saved_config_round_trips_through_transformers(tmp_path):
     from dsparallel.models import DeepseekV3
 
     original = DeepseekV3Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **dict(DEEPSEEK, q_lora_rank=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     )
     model = DeepseekV3(original.to_dict())
     model.save_pretrained(str(tmp_path))
