@@ -141,12 +141,9 @@ def _state_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
-def save_checkpoint(path: str, model, optimizer=None) -> None:
-    """Every rank calls it. ``model``: a ``dsparallel.models`` model (or our
-    DDP around one); ``optimizer``: a ``torch.optim`` optimizer or a
-    ``ZeroRedundancyOptimizer`` over its parameters, or None."""
-    import torch.distributed.checkpoint as dcp
-
+def _save_state(model, optimizer, extra: dict | None) -> dict[str, object]:
+    """What ``save_checkpoint`` writes: copies, so that training may go on
+    while they are written."""
     model = _unwrap(model)
     states = _param_states(model, optimizer)
     sd: dict[str, object] = {}
@@ -170,6 +167,21 @@ def save_checkpoint(path: str, model, optimizer=None) -> None:
     if optimizer is not None:
         sd["optim.step"] = torch.tensor(step, dtype=torch.float64)
     sd[_rng_key()] = torch.get_rng_state()
+    for key, value in (extra or {}).items():
+        sd[f"extra.{key}"] = value.detach().clone()
+    return sd
+
+
+def save_checkpoint(path: str, model, optimizer=None, extra: dict | None = None) -> None:
+    """Every rank calls it. ``model``: a ``dsparallel.models`` model (or our
+    DDP around one); ``optimizer``: a ``torch.optim`` optimizer or a
+    ``ZeroRedundancyOptimizer`` over its parameters, or None; ``extra``:
+    tensors of the caller's (a trainer's step and data position) saved
+    under ``extra.<key>`` in the same checkpoint, so that they are complete
+    exactly when it is (ranks giving one key must give equal tensors)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = _save_state(model, optimizer, extra)
     # Written aside and renamed once complete: a failure leaves the
     # previous checkpoint at ``path`` as it was (DCP raises on every rank).
     staging = staging_path(path)
@@ -177,7 +189,48 @@ def save_checkpoint(path: str, model, optimizer=None) -> None:
     publish(staging, path)
 
 
-def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict) -> list[str]:
+class PendingSave:
+    """A checkpoint being written in the background (``async_save_checkpoint``)."""
+
+    def __init__(self, future, staging: str, path: str):
+        self._future, self._staging, self.path = future, staging, path
+
+    def done(self) -> bool:
+        """Whether every rank has written its part (every rank calls it:
+        it agrees over the ranks, so that all of them finish together)."""
+        flag = torch.tensor([int(self._future.done())], dtype=torch.int64)
+        # Over the training's group: the writer's is the background thread's.
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def finish(self) -> str:
+        """Waits for the write and puts the checkpoint under its name
+        (every rank calls it). Returns the path."""
+        self._future.result()  # a failed write raises here
+        publish(self._staging, self.path)
+        return self.path
+
+
+def async_save_checkpoint(
+    path: str, model, optimizer=None, extra: dict | None = None, group=None
+) -> PendingSave:
+    """``save_checkpoint`` whose writing goes on in a background thread
+    once the state is copied: training may change the model and optimizer
+    at once. ``group``: a process group for the writer's own collectives
+    (a gloo group beside the training's, which the background thread must
+    not share). Until ``finish()`` the checkpoint is under a staging name,
+    so a run killed meanwhile resumes from the previous one."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = _save_state(model, optimizer, extra)
+    staging = staging_path(path)
+    future = dcp.async_save(sd, checkpoint_id=staging, process_group=group)
+    return PendingSave(future, staging, path)
+
+
+def _ask_for(
+    path, model, optimizer, entries, wanted: dict, local: dict, extra: dict
+) -> list[str]:
     """Fills ``wanted`` (DCP's request: a DTensor where the block is split
     over tensor parallelism) and ``local`` (the blocks themselves) with
     what this rank loads; raises if the checkpoint lacks any of it.
@@ -215,14 +268,21 @@ def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict) -> list
         wanted["optim.step"] = torch.zeros((), dtype=torch.float64)
     if _rng_key() in saved:  # at another world size the streams are new ones
         wanted[_rng_key()] = torch.empty_like(torch.get_rng_state())
+    for key, value in extra.items():
+        name = f"extra.{key}"
+        if name not in saved:
+            raise KeyError(f"load_checkpoint: {path} lacks {name}")
+        wanted[name] = value
     return kinds
 
 
 @torch.no_grad()
-def load_checkpoint(path: str, model, optimizer=None) -> None:
+def load_checkpoint(path: str, model, optimizer=None, extra: dict | None = None) -> None:
     """Every rank calls it, with the model (and optimizer) of the new
     layout already built: fills the parameters, buffers and the
-    optimizer's state from a ``save_checkpoint`` of any layout."""
+    optimizer's state from a ``save_checkpoint`` of any layout, and the
+    tensors of ``extra`` (key -> a tensor of the saved shape) in place
+    from what ``save_checkpoint``'s ``extra`` saved under that key."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
@@ -235,7 +295,7 @@ def load_checkpoint(path: str, model, optimizer=None) -> None:
     # collective load, and raises the same error.
     kinds, error = [], None
     try:
-        kinds = _ask_for(path, model, optimizer, entries, wanted, local)
+        kinds = _ask_for(path, model, optimizer, entries, wanted, local, extra or {})
     except Exception as e:
         error = e
     raise_if_any_failed(error, "load_checkpoint")

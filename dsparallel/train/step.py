@@ -1,0 +1,128 @@
+"""One training step of a ``CausalLM`` at its layout: its gradients
+averaged over the data- and context-parallel ranks by our DDP (ZeRO-2:
+reduce-scattered) or torch's FSDP2, a pipeline schedule over the
+micro-batches under pipeline parallelism, the loss the mean over every
+label of the global batch however the ranks and micro-batches divide it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# The schedules of one stage per rank (what the models build today).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1p": "ScheduleInterleavedZeroBubble"}
+
+
+@dataclass
+class Step:
+    """``backward(rows)`` runs forward and backward of this data-parallel
+    rank's ``rows`` and returns the losses this rank computed (none on a
+    pipeline's other stages); ``step(rows)`` adds the tied embeddings'
+    reduction and the optimizer's step."""
+
+    model: object
+    opt: object
+    ddps: list = field(default_factory=list)  # our DDP wrappers (one, or none)
+    schedule: object = None  # the pipeline's, or None
+    runner: object = None  # what runs forward without a pipeline
+
+    def backward(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        losses = []
+        if self.schedule is None:
+            # The mean over every label of the global batch, however the
+            # data-parallel ranks' rows divide them (the schedule counts them itself).
+            n = self.model.count_items([rows])
+            loss = self.runner(rows, labels=rows, num_items_in_batch=n).loss
+            loss.backward()
+            losses.append(loss.detach())
+        elif self.model.is_first:
+            self.schedule.step(rows, target=rows if self.model.is_last else None, losses=losses)
+        else:
+            self.schedule.step(target=rows, losses=losses)
+        return losses
+
+    def step(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        losses = self.backward(rows)
+        self.model.allreduce_tied_grads()
+        self.opt.step()
+        self.opt.zero_grad()
+        return losses
+
+
+def fully_shard_model(model, state) -> None:
+    """torch's FSDP2 over the data-parallel ranks: each layer, then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    if state.pp_size > 1 or state.cp_size > 1:
+        raise ValueError(
+            "[parallel] fsdp: FSDP2 shards over the data-parallel ranks of a model without "
+            "pipeline or context parallelism here; under those use zero_stage = 2"
+        )
+    mesh = state.mesh["dp"]
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def pipeline_schedule(name: str, stage, micro_batches: int, loss_fn):
+    from .. import pipeline
+
+    if name not in SCHEDULES:
+        raise ValueError(
+            f"[parallel] schedule: {name!r} is not one of {', '.join(SCHEDULES)} (the "
+            "schedules of several stages per rank, interleaved_1f1b, zbv and dualpipev, need "
+            "models built with several stages per rank, which Llama and DeepSeek-V3 are not yet)"
+        )
+    cls = getattr(pipeline, SCHEDULES[name])
+    if name == "zb1p":  # ZB-H1: the zero-bubble schedule over one stage per rank
+        return cls([stage], n_microbatches=micro_batches, loss_fn=loss_fn)
+    return cls(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+
+
+def make_step(
+    model,
+    state,
+    make_optimizer,
+    zero_stage: int = 0,
+    fsdp: bool = False,
+    schedule: str = "1f1b",
+    micro_batches: int = 1,
+    **ddp_options,
+) -> Step:
+    """``model`` (built for ``init_parallel``'s ``state``) trained by the
+    optimizer ``make_optimizer(params_or_groups_of(model), zero)`` returns
+    (``zero``: the process group to shard it over, or None): our DDP
+    over the data x context-parallel ranks (``zero_stage`` 2:
+    gradients reduce-scattered), or FSDP2 with ``fsdp``, and under a
+    pipeline ``schedule`` over ``micro_batches``. ``ddp_options`` go to
+    our DDP (``overlap_param_gather=True``)."""
+    from .. import DistributedDataParallel
+
+    replicas = state.dp_cp_group  # the ranks holding the same parameters
+    ddps = []
+
+    def wrap(module):
+        ddps.append(
+            DistributedDataParallel(
+                module,
+                process_group=replicas,
+                zero_stage=2 if zero_stage == 2 else 0,
+                **ddp_options,
+            )
+        )
+        return ddps[-1]
+
+    if fsdp:
+        if zero_stage:
+            raise ValueError("[parallel] fsdp shards the optimizer itself: leave zero_stage 0")
+        fully_shard_model(model, state)
+    wrapped = not fsdp and (replicas.size() > 1 or zero_stage == 2)
+    pipe = runner = None
+    if state.pp_size > 1:
+        stage = model.pipeline_stage(wrap=wrap if wrapped else None)
+        pipe = pipeline_schedule(schedule, stage, micro_batches, model.loss_fn)
+    else:
+        runner = wrap(model) if wrapped else model
+    opt = make_optimizer(model, replicas if zero_stage else None)
+    return Step(model, opt, ddps, pipe, runner)
