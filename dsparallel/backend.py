@@ -121,6 +121,12 @@ def _create_backend(dist_backend_opts, backend_options=None):
     CUDA tensors go to torch's NCCL group.
     """
     store = dist_backend_opts.store
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None:
+        # torchrun keeps one store across the restarts of a group (its
+        # --max-restarts): the keys a killed attempt wrote (gloo's
+        # addresses, our shared-memory names) must not be read as this one's.
+        store = dist.PrefixStore(f"dsp-attempt-{attempt}/", store)
     rank = dist_backend_opts.group_rank
     size = dist_backend_opts.group_size
     timeout = dist_backend_opts.timeout

@@ -115,8 +115,11 @@ class Trainer:
         self._flops_per_token, self._peak = self._mfu_terms()
         self._writer_group = None
         if cfg.checkpoint.async_save and cfg.checkpoint.dir:
-            # DCP's collectives from the background writer, apart from training's.
-            self._writer_group = dist.new_group(backend="gloo")
+            # DCP's collectives from the background writer, apart from
+            # training's. A group of the job's backend: after a restart by
+            # torchrun, which keeps its store, a new gloo group may read the
+            # killed attempt's addresses there ("dsp" keys its own by attempt).
+            self._writer_group = dist.new_group()
 
     def _check_batch(self, state) -> int:
         data, par = self.cfg.data, self.cfg.parallel
@@ -272,7 +275,7 @@ class Trainer:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         extra = {"train.step": torch.zeros((), dtype=torch.int64)}
         data_key = f"train.data.{self.state.dp_rank}"
-        same_dp = "train.dp_size" in saved and f"extra.{data_key}" in saved
+        same_dp = "extra.train.dp_size" in saved and f"extra.{data_key}" in saved
         if same_dp:
             extra["train.dp_size"] = torch.zeros((), dtype=torch.int64)
             extra[data_key] = torch.zeros(3, dtype=torch.int64)

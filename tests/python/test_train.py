@@ -1,0 +1,449 @@
+"""The trainer (``dsparallel.train``) held against what we did not write:
+a plain single-process ``transformers`` loop in fp64 over the same tokens,
+learning rates and clipping at dp 2, tp 2, pp 2 (1F1B and ZB-H1) and
+ep 2; torch's learning-rate schedulers; and a run whose rank is killed
+under ``torchrun --max-restarts 1`` against the same run uninterrupted.
+
+Tolerances: fp64 losses agree to 1e-7 relative and weights to 1e-6 of the
+largest element (rounding order only); a resumed run's losses are equal.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_models import DEEPSEEK
+
+from dsparallel.train import config as train_config
+from dsparallel.train.data import PackedStream, Tokenizer, load_documents
+from dsparallel.train.optim import lr_factor
+from dsparallel.train.tokenizer import train_tokenizer
+
+SEQ, BATCH, STEPS, LR, CLIP = 16, 4, 20, 2e-3, 0.5
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """40 documents of different lengths (a .jsonl), a held-out .txt, and a
+    byte-level BPE tokenizer trained on them."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    with open(root / "train.jsonl", "w") as f:
+        for i in range(40):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(5, 60))]
+            f.write(json.dumps({"text": f"document {i}: " + " ".join(words), "id": i}) + "\n")
+    (root / "held_out.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(400)))
+    train_tokenizer([str(root / "train.jsonl")], 300, str(root / "tok"))
+    os.environ["HF_DATASETS_CACHE"] = str(root / "hf-cache")  # the ranks inherit it
+    return root
+
+
+def _job(corpus, **sections) -> dict:
+    job = {
+        "data": dict(
+            train=[str(corpus / "train.jsonl")],
+            tokenizer=str(corpus / "tok"),
+            seq_len=SEQ,
+            global_batch=BATCH,
+        ),
+        "optim": dict(lr=LR, warmup_steps=3, decay="cosine", min_lr_ratio=0.1, grad_clip=CLIP),
+        "train": dict(steps=STEPS, log_every=1),
+        "metrics": dict(progress=False, peak_flops=1e9),
+    }
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values}
+    return job
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_config_file_overrides_and_errors(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama"\n[train]\nsteps = 7\n[checkpoint]\nasync = true\n')
+    cfg = train_config.load(
+        str(path),
+        ["--train.steps=9", "--parallel.tensor=2", "--model.config.hidden_size=64", "--data.train=a.txt"],
+    )
+    assert cfg.train.steps == 9 and cfg.parallel.tensor == 2 and cfg.checkpoint.async_save
+    assert cfg.model.config == {"hidden_size": 64} and cfg.data.train == ["a.txt"]
+    # What a run prints reproduces it.
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.to_toml().replace("async_save", "async"))
+    assert train_config.load(str(again)) == cfg
+    for bad, needle in [
+        (["--train.stpes=3"], "has no field 'stpes'"),
+        (["--trian.steps=3"], "unknown section [trian]"),
+        (["--train.steps=three"], "[train] steps: expected int"),
+        (["--train.steps"], "expected --section.field=value"),
+    ]:
+        with pytest.raises(ValueError, match=".*".join(map(_escape, needle.split("*")))):
+            train_config.load(str(path), bad)
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+# ---------------------------------------------------------- learning rate
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_lr_schedule_equals_torch_schedulers(decay):
+    """Warmup then decay: torch's LinearLR then CosineAnnealingLR / LinearLR /
+    ConstantLR chained by SequentialLR, step by step."""
+    from torch.optim.lr_scheduler import (
+        ConstantLR,
+        CosineAnnealingLR,
+        LinearLR,
+        SequentialLR,
+    )
+
+    steps, warmup, m = 30, 5, 0.1
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    warm = LinearLR(opt, 1 / (warmup + 1), warmup / (warmup + 1), total_iters=warmup - 1)
+    rest = steps - warmup - 1
+    after = {
+        "cosine": lambda: CosineAnnealingLR(opt, T_max=rest, eta_min=m),
+        "linear": lambda: LinearLR(opt, 1.0, m, total_iters=rest),
+        "constant": lambda: ConstantLR(opt, factor=1.0, total_iters=0),
+    }[decay]()
+    sched = SequentialLR(opt, [warm, after], milestones=[warmup])
+    for step in range(steps):
+        want = opt.param_groups[0]["lr"]
+        assert lr_factor(step, steps, warmup, decay, m) == pytest.approx(want, rel=1e-12), step
+        opt.step()
+        sched.step()
+
+
+def test_lr_schedule_wsd_as_the_docs_give_it():
+    steps, warmup, m = 30, 4, 0.2
+    decay_steps = round(0.2 * (steps - warmup))  # 5
+    for step in range(steps):
+        if step < warmup:
+            want = (step + 1) / (warmup + 1)
+        elif step < steps - decay_steps:
+            want = 1.0
+        else:
+            want = 1 - (1 - m) * (step - (steps - decay_steps) + 1) / decay_steps
+        assert lr_factor(step, steps, warmup, "wsd", m) == pytest.approx(want, rel=1e-12)
+    assert lr_factor(steps - 1, steps, warmup, "wsd", m) == pytest.approx(m)
+    with pytest.raises(ValueError, match="decay: 'cosnie' is not one of"):
+        lr_factor(0, 10, 0, "cosnie", 0.1)
+
+
+# -------------------------------------------------------------------- data
+
+
+def _documents(corpus):
+    return load_documents([str(corpus / "train.jsonl")], "text", "document", False)
+
+
+def test_each_document_once_per_epoch_over_the_ranks_and_the_same_batches_after_a_resume(corpus):
+    tok = Tokenizer(str(corpus / "tok"))
+    docs = _documents(corpus)
+    every = tok.encode([d["text"] for d in docs], False)
+    world, epochs_seen = 3, []
+    for rank in range(world):
+        stream = PackedStream(docs, tok, SEQ, rank, world, seed=5)
+        got = []
+        while stream.epoch == 0:
+            got.extend(stream.next_rows(1).flatten().tolist())
+        # The share's documents, whole and in order, then the next epoch's.
+        share, state = stream._share, stream.state()
+        first_epoch = [t for i in torch.randperm(40, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()[rank::world] for t in every[i]]
+        assert got[: len(first_epoch)] == first_epoch
+        epochs_seen.append(set(torch.randperm(40, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()[rank::world]))
+        assert share != torch.randperm(40, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()[rank::world]  # epoch 1 is reshuffled
+        # A stream put at this state reads what this one reads next.
+        resumed = PackedStream(docs, tok, SEQ, rank, world, seed=5)
+        resumed.load_state(state)
+        for _ in range(5):
+            assert torch.equal(resumed.next_rows(2), stream.next_rows(2))
+    assert set.union(*epochs_seen) == set(range(40))
+    assert sum(len(s) for s in epochs_seen) == 40
+
+
+def _malformed(rank, world, path, tok):
+    from dsparallel.train import Trainer
+
+    job = {
+        "data": dict(train=[path], tokenizer=tok, seq_len=SEQ, global_batch=2),
+        "metrics": dict(progress=False, peak_flops=1e9),
+    }
+    try:
+        Trainer(job).fit()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [('{"text": "fine"', "bad.jsonl:3: not valid JSON"), ('{"body": "x"}', "bad.jsonl:3: no field 'text'")],
+)
+def test_a_malformed_jsonl_line_is_named_on_every_rank(corpus, tmp_path, line, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n' + line + "\n")
+    errors = run_ranks(_malformed, 2, str(path), str(corpus / "tok"))
+    assert all(e is not None and needle in e for e in errors), errors
+
+
+# ------------------------------------------------ the trainer against a plain loop
+
+
+def _save_hf(kind: str, path: str, vocab: int) -> None:
+    torch.manual_seed(3)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    else:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        values = {**DEEPSEEK, "vocab_size": vocab, "n_routed_experts": 4}
+        DeepseekV3ForCausalLM(DeepseekV3Config(**values)).save_pretrained(path)
+
+
+def _fit(rank, world, job):
+    from dsparallel.train import Trainer
+
+    history = Trainer(job).fit()
+    return history
+
+
+def _plain_loop(corpus, model_dir: str, dp: int):
+    """The same run in one process, written out: transformers' model in
+    fp64, the global batch the dp ranks' rows in rank order, AdamW with
+    weight decay on the matrices but the embedding, warmup then cosine,
+    torch's clip_grad_norm_."""
+    from transformers import AutoModelForCausalLM
+
+    # The eager experts: torch's grouped GEMM has no float64.
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    )
+    tok = Tokenizer(str(corpus / "tok"))
+    docs = _documents(corpus)
+    streams = [PackedStream(docs, tok, SEQ, r, dp, seed=0) for r in range(dp)]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    losses = []
+    for step in range(STEPS):
+        if step < 3:
+            factor = (step + 1) / 4
+        else:
+            p = (step - 3) / (STEPS - 3 - 1)
+            factor = 0.1 + 0.9 * (1 + math.cos(math.pi * p)) / 2
+        for g in opt.param_groups:
+            g["lr"] = LR * factor
+        rows = torch.cat([s.next_rows(BATCH // dp) for s in streams])
+        # transformers' own loss casts the logits to float32: fp64 here.
+        logits = model(input_ids=rows).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+LAYOUTS = {
+    "dp2": ("llama", dict(), 2),
+    "tp2": ("llama", dict(tensor=2, sequence_parallel=True), 1),
+    "pp2-1f1b": ("llama", dict(pipeline=2, micro_batches=2, schedule="1f1b"), 1),
+    "pp2-zb1p": ("llama", dict(pipeline=2, micro_batches=2, schedule="zb1p"), 1),
+    "dp2-zero2": ("llama", dict(zero_stage=2), 2),
+    "ep2": ("deepseek_v3", dict(expert=2), 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trainer_equals_a_plain_single_process_loop(corpus, tmp_path, layout):
+    kind, parallel, dp = LAYOUTS[layout]
+    vocab = Tokenizer(str(corpus / "tok")).vocab_size
+    model_dir = str(tmp_path / "hf")
+    _save_hf(kind, model_dir, vocab)
+    out = str(tmp_path / "out")
+    job = _job(
+        corpus,
+        model=dict(name=model_dir, dtype="float64"),
+        parallel=parallel,
+        checkpoint=dict(export_hf=out),
+    )
+    history = run_ranks(_fit, 2, job, timeout=240)[0]
+    want, reference = _plain_loop(corpus, model_dir, dp)
+    got = [history["loss"][s] for s in range(1, STEPS + 1)]
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert a == pytest.approx(b, rel=1e-7), f"step {step}: {a} against {b}"
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).state_dict()
+    for name, want_t in reference.state_dict().items():
+        err = (trained[name] - want_t).abs().max().item()
+        assert err <= 1e-6 * want_t.abs().max().item(), f"{name}: off by {err:.3g}"
+
+
+# ---------------------------------------------------------- a killed rank
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _job_file(corpus, tmp_path, name: str, **sections) -> str:
+    job = _job(corpus, **sections)
+    job["train"]["steps"] = 24
+    job["optim"]["lr"] = 1e-2  # learning: the losses differ step to step
+    cfg = train_config.from_dict(job)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(cfg.to_toml().replace("async_save", "async"))
+    return str(path)
+
+
+def _losses(path: str) -> dict[int, float]:
+    """step -> loss, the last logged value of each step (a resumed run
+    logs again the steps after its checkpoint)."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "loss" in row:
+                out[row["step"]] = row["loss"]
+    return out
+
+
+def _rank_pid(tag: str, rank: int) -> int | None:
+    """The pid of the worker of ``rank`` that torchrun started (not of a
+    process that worker started in turn)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{parent}/cmdline", "rb") as f:
+                launcher = b"torch.distributed.run" in f.read()
+        except OSError:
+            continue
+        if launcher and f"DSP_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+def _run(job: str, tag: str, kill_when=None, script=None) -> str:
+    """torchrun --max-restarts 1 over the job; with ``kill_when(metrics)``,
+    rank 1 is sent SIGKILL the first time it is true. Returns the output."""
+    env = {**os.environ, "DSP_TEST_TAG": tag}
+    entry = [script] if script else ["-m", "dsparallel.train"]
+    cmd = [*TORCHRUN, "--max-restarts", "1", "--monitor-interval", "0.5", *entry, "--config", job]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at = None
+    deadline = time.monotonic() + 240
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the run did not end"
+        if kill_when is not None and killed_at is None and kill_when():
+            pid = _rank_pid(tag, 1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        time.sleep(0.05)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-8000:]
+    if kill_when is not None:
+        assert killed_at is not None, "rank 1 was never killed"
+        assert "restart" in out.lower() or "resumed from" in out, out[-3000:]
+    return out
+
+
+def test_a_killed_rank_resumes_from_the_latest_checkpoint_with_the_same_losses(corpus, tmp_path):
+    """kill -9 of rank 1 at a random step after the first checkpoint: the
+    others end at once, torchrun restarts the group, the run resumes from
+    the latest complete checkpoint and every later loss is the uninterrupted
+    run's, exactly."""
+    kwargs = dict(model=dict(name="llama", config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)), parallel=dict(pipeline=2, micro_batches=2))
+    base = _job_file(corpus, tmp_path, "base", metrics=dict(jsonl=str(tmp_path / "base.jsonl"), progress=False, peak_flops=1e9), **kwargs)
+    _run(base, "base")
+    want = _losses(str(tmp_path / "base.jsonl"))
+    metrics = tmp_path / "killed.jsonl"
+    job = _job_file(
+        corpus,
+        tmp_path,
+        "killed",
+        checkpoint=dict(dir=str(tmp_path / "ck"), every=4, keep=2),
+        metrics=dict(jsonl=str(metrics), progress=True, peak_flops=1e9),
+        **kwargs,
+    )
+    kill_step = random.Random().randint(6, 20)
+
+    def due():
+        return metrics.exists() and max(_losses(str(metrics)), default=0) >= kill_step
+
+    out = _run(job, "killed", kill_when=due)
+    assert "resumed from" in out and "another data-parallel size" not in out, out[-3000:]
+    resumed = int(out.split("resumed from")[1].split("after step")[1].split()[0])
+    assert 4 <= resumed <= kill_step and resumed % 4 == 0
+    got = _losses(str(metrics))
+    assert sorted(got) == list(range(1, 25))
+    for step in range(resumed + 1, 25):
+        assert got[step] == want[step], f"step {step}: {got[step]} against {want[step]}"
+    # The last two checkpoints are kept.
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step-20", "step-24"]
+
+
+def test_a_kill_during_an_async_checkpoint_write_resumes_from_the_previous_one(corpus, tmp_path):
+    """Checkpoints written in the background (each write slowed by 3 s): a
+    kill while step 8's is being written leaves step 4's as the latest
+    complete one; the run resumes from it with the uninterrupted losses."""
+    kwargs = dict(model=dict(name="llama", config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)), parallel=dict(tensor=2))
+    base = _job_file(corpus, tmp_path, "base", metrics=dict(jsonl=str(tmp_path / "base.jsonl"), progress=False, peak_flops=1e9), **kwargs)
+    _run(base, "base")
+    want = _losses(str(tmp_path / "base.jsonl"))
+    ck, metrics = tmp_path / "ck", tmp_path / "async.jsonl"
+    job = _job_file(
+        corpus,
+        tmp_path,
+        "async",
+        checkpoint=dict(dir=str(ck), every=4, keep=0, async_save=True),
+        metrics=dict(jsonl=str(metrics), progress=True, peak_flops=1e9),
+        **kwargs,
+    )
+
+    def writing_step_8():
+        return (ck / "step-8.partial").exists() and not (ck / "step-8").exists()
+
+    script = os.path.join(os.path.dirname(__file__), "train_slow_writer.py")
+    out = _run(job, "async", kill_when=writing_step_8, script=script)
+    assert f"resumed from {ck / 'step-4'} after step 4" in out, out[-3000:]
+    got = _losses(str(metrics))
+    for step in range(5, 25):
+        assert got[step] == want[step], f"step {step}: {got[step]} against {want[step]}"
+    assert sorted(os.listdir(ck)) == [f"step-{s}" for s in (12, 16, 20, 24, 4, 8)]
