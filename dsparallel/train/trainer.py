@@ -333,7 +333,8 @@ class Trainer:
             self.history["lr"][step] = lr
             since += 1
             self._finish_pending(wait=False)
-            if step % max(1, cfg.train.log_every) == 0 or step == cfg.train.steps:
+            every = max(1, cfg.train.log_every)
+            if step % every == 0 or step in (first + 1, cfg.train.steps):
                 now = time.perf_counter()
                 rate = tokens_per_step * since / (now - last_log)
                 self.metrics.log(
