@@ -228,9 +228,7 @@ def async_save_checkpoint(
     return PendingSave(future, staging, path)
 
 
-def _ask_for(
-    path, model, optimizer, entries, wanted: dict, local: dict, extra: dict
-) -> list[str]:
+def _ask_for(path, model, optimizer, entries, wanted: dict, local: dict, extra: dict) -> list[str]:
     """Fills ``wanted`` (DCP's request: a DTensor where the block is split
     over tensor parallelism) and ``local`` (the blocks themselves) with
     what this rank loads; raises if the checkpoint lacks any of it.

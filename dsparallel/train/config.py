@@ -9,9 +9,10 @@ type, is an error naming it: a typo must not train with a default.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
+
+import tomllib
 
 
 @dataclass

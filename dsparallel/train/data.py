@@ -36,8 +36,7 @@ def expand(patterns: list[str], what: str) -> list[str]:
     if None in kinds:
         odd = next(f for f in files if os.path.splitext(f)[1].lower() not in KINDS)
         raise ValueError(
-            f"[data] {what}: {odd}: not a text file of a known kind "
-            f"({', '.join(sorted(KINDS))})"
+            f"[data] {what}: {odd}: not a text file of a known kind ({', '.join(sorted(KINDS))})"
         )
     if len(kinds) > 1:
         raise ValueError(

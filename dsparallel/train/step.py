@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 # The schedules of one stage per rank (what the models build today).
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1p": "ScheduleInterleavedZeroBubble"}
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb1p": "ScheduleInterleavedZeroBubble",
+}
 
 
 @dataclass

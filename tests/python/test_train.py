@@ -10,7 +10,6 @@ largest element (rounding order only); a resumed run's losses are equal.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -75,7 +74,12 @@ def test_config_file_overrides_and_errors(tmp_path):
     path.write_text('[model]\nname = "llama"\n[train]\nsteps = 7\n[checkpoint]\nasync = true\n')
     cfg = train_config.load(
         str(path),
-        ["--train.steps=9", "--parallel.tensor=2", "--model.config.hidden_size=64", "--data.train=a.txt"],
+        [
+            "--train.steps=9",
+            "--parallel.tensor=2",
+            "--model.config.hidden_size=64",
+            "--data.train=a.txt",
+        ],
     )
     assert cfg.train.steps == 9 and cfg.parallel.tensor == 2 and cfg.checkpoint.async_save
     assert cfg.model.config == {"hidden_size": 64} and cfg.data.train == ["a.txt"]
@@ -153,29 +157,33 @@ def _documents(corpus):
     return load_documents([str(corpus / "train.jsonl")], "text", "document", False)
 
 
+def _epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
 def test_each_document_once_per_epoch_over_the_ranks_and_the_same_batches_after_a_resume(corpus):
     tok = Tokenizer(str(corpus / "tok"))
     docs = _documents(corpus)
     every = tok.encode([d["text"] for d in docs], False)
-    world, epochs_seen = 3, []
+    world, shares = 3, []
     for rank in range(world):
         stream = PackedStream(docs, tok, SEQ, rank, world, seed=5)
         got = []
         while stream.epoch == 0:
             got.extend(stream.next_rows(1).flatten().tolist())
         # The share's documents, whole and in order, then the next epoch's.
-        share, state = stream._share, stream.state()
-        first_epoch = [t for i in torch.randperm(40, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()[rank::world] for t in every[i]]
+        share = _epoch_order(5, 0, 40)[rank::world]
+        first_epoch = [t for i in share for t in every[i]]
         assert got[: len(first_epoch)] == first_epoch
-        epochs_seen.append(set(torch.randperm(40, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()[rank::world]))
-        assert share != torch.randperm(40, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()[rank::world]  # epoch 1 is reshuffled
+        assert stream._share == _epoch_order(5, 1, 40)[rank::world] != share
+        shares.append(set(share))
         # A stream put at this state reads what this one reads next.
         resumed = PackedStream(docs, tok, SEQ, rank, world, seed=5)
-        resumed.load_state(state)
+        resumed.load_state(stream.state())
         for _ in range(5):
             assert torch.equal(resumed.next_rows(2), stream.next_rows(2))
-    assert set.union(*epochs_seen) == set(range(40))
-    assert sum(len(s) for s in epochs_seen) == 40
+    assert set.union(*shares) == set(range(40)) and sum(map(len, shares)) == 40
 
 
 def _malformed(rank, world, path, tok):
@@ -194,7 +202,10 @@ def _malformed(rank, world, path, tok):
 
 @pytest.mark.parametrize(
     "line, needle",
-    [('{"text": "fine"', "bad.jsonl:3: not valid JSON"), ('{"body": "x"}', "bad.jsonl:3: no field 'text'")],
+    [
+        ('{"text": "fine"', "bad.jsonl:3: not valid JSON"),
+        ('{"body": "x"}', "bad.jsonl:3: no field 'text'"),
+    ],
 )
 def test_a_malformed_jsonl_line_is_named_on_every_rank(corpus, tmp_path, line, needle):
     path = tmp_path / "bad.jsonl"
@@ -365,7 +376,9 @@ def _run(job: str, tag: str, kill_when=None, script=None) -> str:
     env = {**os.environ, "DSP_TEST_TAG": tag}
     entry = [script] if script else ["-m", "dsparallel.train"]
     cmd = [*TORCHRUN, "--max-restarts", "1", "--monitor-interval", "0.5", *entry, "--config", job]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     killed_at = None
     deadline = time.monotonic() + 240
     while proc.poll() is None:
@@ -384,24 +397,52 @@ def _run(job: str, tag: str, kill_when=None, script=None) -> str:
     return out
 
 
+TINY = dict(
+    name="llama",
+    config=dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+)
+
+
+def _uninterrupted(corpus, tmp_path, parallel: dict) -> dict[int, float]:
+    metrics = dict(jsonl=str(tmp_path / "base.jsonl"), progress=False, peak_flops=1e9)
+    job = _job_file(corpus, tmp_path, "base", model=TINY, parallel=parallel, metrics=metrics)
+    _run(job, "base")
+    return _losses(str(tmp_path / "base.jsonl"))
+
+
+def _killed_job(corpus, tmp_path, parallel: dict, **checkpoint) -> str:
+    return _job_file(
+        corpus,
+        tmp_path,
+        "killed",
+        model=TINY,
+        parallel=parallel,
+        checkpoint=dict(dir=str(tmp_path / "ck"), every=4, **checkpoint),
+        metrics=dict(jsonl=str(tmp_path / "killed.jsonl"), progress=True, peak_flops=1e9),
+    )
+
+
+def _assert_same_after(resumed: int, got: dict, want: dict) -> None:
+    assert sorted(got) == list(range(1, 25))
+    for step in range(resumed + 1, 25):
+        assert got[step] == want[step], f"step {step}: {got[step]} against {want[step]}"
+
+
 def test_a_killed_rank_resumes_from_the_latest_checkpoint_with_the_same_losses(corpus, tmp_path):
     """kill -9 of rank 1 at a random step after the first checkpoint: the
     others end at once, torchrun restarts the group, the run resumes from
     the latest complete checkpoint and every later loss is the uninterrupted
     run's, exactly."""
-    kwargs = dict(model=dict(name="llama", config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)), parallel=dict(pipeline=2, micro_batches=2))
-    base = _job_file(corpus, tmp_path, "base", metrics=dict(jsonl=str(tmp_path / "base.jsonl"), progress=False, peak_flops=1e9), **kwargs)
-    _run(base, "base")
-    want = _losses(str(tmp_path / "base.jsonl"))
+    parallel = dict(pipeline=2, micro_batches=2)
+    want = _uninterrupted(corpus, tmp_path, parallel)
+    job = _killed_job(corpus, tmp_path, parallel, keep=2)
     metrics = tmp_path / "killed.jsonl"
-    job = _job_file(
-        corpus,
-        tmp_path,
-        "killed",
-        checkpoint=dict(dir=str(tmp_path / "ck"), every=4, keep=2),
-        metrics=dict(jsonl=str(metrics), progress=True, peak_flops=1e9),
-        **kwargs,
-    )
     kill_step = random.Random().randint(6, 20)
 
     def due():
@@ -411,39 +452,24 @@ def test_a_killed_rank_resumes_from_the_latest_checkpoint_with_the_same_losses(c
     assert "resumed from" in out and "another data-parallel size" not in out, out[-3000:]
     resumed = int(out.split("resumed from")[1].split("after step")[1].split()[0])
     assert 4 <= resumed <= kill_step and resumed % 4 == 0
-    got = _losses(str(metrics))
-    assert sorted(got) == list(range(1, 25))
-    for step in range(resumed + 1, 25):
-        assert got[step] == want[step], f"step {step}: {got[step]} against {want[step]}"
-    # The last two checkpoints are kept.
-    assert sorted(os.listdir(tmp_path / "ck")) == ["step-20", "step-24"]
+    _assert_same_after(resumed, _losses(str(metrics)), want)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step-20", "step-24"]  # the last two
 
 
 def test_a_kill_during_an_async_checkpoint_write_resumes_from_the_previous_one(corpus, tmp_path):
     """Checkpoints written in the background (each write slowed by 3 s): a
     kill while step 8's is being written leaves step 4's as the latest
     complete one; the run resumes from it with the uninterrupted losses."""
-    kwargs = dict(model=dict(name="llama", config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)), parallel=dict(tensor=2))
-    base = _job_file(corpus, tmp_path, "base", metrics=dict(jsonl=str(tmp_path / "base.jsonl"), progress=False, peak_flops=1e9), **kwargs)
-    _run(base, "base")
-    want = _losses(str(tmp_path / "base.jsonl"))
-    ck, metrics = tmp_path / "ck", tmp_path / "async.jsonl"
-    job = _job_file(
-        corpus,
-        tmp_path,
-        "async",
-        checkpoint=dict(dir=str(ck), every=4, keep=0, async_save=True),
-        metrics=dict(jsonl=str(metrics), progress=True, peak_flops=1e9),
-        **kwargs,
-    )
+    parallel = dict(tensor=2)
+    want = _uninterrupted(corpus, tmp_path, parallel)
+    ck = tmp_path / "ck"
+    job = _killed_job(corpus, tmp_path, parallel, keep=0, async_save=True)
 
     def writing_step_8():
         return (ck / "step-8.partial").exists() and not (ck / "step-8").exists()
 
     script = os.path.join(os.path.dirname(__file__), "train_slow_writer.py")
-    out = _run(job, "async", kill_when=writing_step_8, script=script)
+    out = _run(job, "killed", kill_when=writing_step_8, script=script)
     assert f"resumed from {ck / 'step-4'} after step 4" in out, out[-3000:]
-    got = _losses(str(metrics))
-    for step in range(5, 25):
-        assert got[step] == want[step], f"step {step}: {got[step]} against {want[step]}"
+    _assert_same_after(4, _losses(str(tmp_path / "killed.jsonl")), want)
     assert sorted(os.listdir(ck)) == [f"step-{s}" for s in (12, 16, 20, 24, 4, 8)]
