@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from train_gpt import batch, load_corpus
 
 import dsparallel
 from dsparallel.models import DeepseekV3, Llama, from_pretrained
-from dsparallel.pipeline import Schedule1F1B
+from dsparallel.train.step import Step, make_step
 
 SMALL = {
     "llama": dict(
@@ -100,82 +99,32 @@ def build_model(spec: str, state, args):
     return CLASSES[kind](config, state, seed=args.seed, **kwargs)
 
 
-@dataclass
-class Trainer:
-    """One training step of a ``CausalLM`` at its layout: ``backward(rows)``
-    runs forward and backward of this data-parallel rank's ``rows`` (under
-    a pipeline, the 1F1B schedule) and returns the losses this rank
-    computed (none on a pipeline's other stages); ``step(rows)`` adds the
-    tied embeddings' reduction and the optimizer's step."""
-
-    model: object
-    opt: object
-    ddps: list  # the DistributedDataParallel wrappers (one, or none)
-    schedule: object = None  # the pipeline's, or None
-    runner: object = None  # what runs forward without a pipeline
-
-    def backward(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        losses = []
-        if self.schedule is None:
-            # The mean over every label of the global batch, however the
-            # data-parallel ranks' rows divide them (the schedule counts them itself).
-            n = self.model.count_items([rows])
-            loss = self.runner(rows, labels=rows, num_items_in_batch=n).loss
-            loss.backward()
-            losses.append(loss.detach())
-        elif self.model.is_first:
-            self.schedule.step(rows, target=rows if self.model.is_last else None)
-        else:
-            self.schedule.step(target=rows, losses=losses)
-        return losses
-
-    def step(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        losses = self.backward(rows)
-        self.model.allreduce_tied_grads()
-        self.opt.step()
-        self.opt.zero_grad()
-        return losses
-
-
 def make_trainer(
     model, state, zero_stage: int, micro_batches: int, lr: float, **ddp_options
-) -> Trainer:
-    """``model`` (built for ``init_parallel``'s ``state``) trained with AdamW:
-    its gradients averaged over the data- and context-parallel ranks by our
-    DDP (stage 2: reduce-scattered), ZeRO stage 1/2 sharding AdamW's state
-    over them, 1F1B over ``micro_batches`` under a pipeline. A model
-    already sharded by torch's FSDP2 (``fully_shard``) is trained as it is.
+) -> Step:
+    """``model`` (built for ``init_parallel``'s ``state``) trained with AdamW
+    by the trainer's step (``dsparallel.train.step``): our DDP over the
+    data- and context-parallel ranks, ZeRO stage 1/2 sharding AdamW's state
+    over them, 1F1B over ``micro_batches`` under a pipeline. A model already
+    sharded by torch's FSDP2 (``fully_shard``) is trained as it is.
     ``ddp_options`` go to our DDP (``overlap_param_gather=True``)."""
-    replicas = state.dp_cp_group  # the ranks holding the same parameters
-    ddps = []
 
-    def wrap(module):
-        ddps.append(
-            dsparallel.DistributedDataParallel(
-                module,
-                process_group=replicas,
-                zero_stage=2 if zero_stage == 2 else 0,
-                **ddp_options,
-            )
+    def make_optimizer(model, zero_group):
+        params = [q for q in model.parameters() if q.requires_grad]
+        if zero_group is None:
+            return torch.optim.AdamW(params, lr=lr)
+        return dsparallel.ZeroRedundancyOptimizer(
+            params, torch.optim.AdamW, process_group=zero_group, lr=lr
         )
-        return ddps[-1]
 
-    fsdp = hasattr(model, "unshard")
-    wrapped = not fsdp and (replicas.size() > 1 or zero_stage == 2)
-    schedule = runner = None
-    if state.pp_size > 1:
-        stage = model.pipeline_stage(wrap=wrap if wrapped else None)
-        schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=model.loss_fn)
-    else:
-        runner = wrap(model) if wrapped else model
-    params = [q for q in model.parameters() if q.requires_grad]
-    if zero_stage:
-        opt = dsparallel.ZeroRedundancyOptimizer(
-            params, torch.optim.AdamW, process_group=replicas, lr=lr
-        )
-    else:
-        opt = torch.optim.AdamW(params, lr=lr)
-    return Trainer(model, opt, ddps, schedule, runner)
+    return make_step(
+        model,
+        state,
+        make_optimizer,
+        zero_stage=zero_stage,
+        micro_batches=micro_batches,
+        **ddp_options,
+    )
 
 
 def main() -> None:

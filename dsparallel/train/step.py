@@ -98,9 +98,10 @@ def make_step(
     optimizer ``make_optimizer(params_or_groups_of(model), zero)`` returns
     (``zero``: the process group to shard it over, or None): our DDP
     over the data x context-parallel ranks (``zero_stage`` 2:
-    gradients reduce-scattered), or FSDP2 with ``fsdp``, and under a
-    pipeline ``schedule`` over ``micro_batches``. ``ddp_options`` go to
-    our DDP (``overlap_param_gather=True``)."""
+    gradients reduce-scattered), or FSDP2 with ``fsdp`` (a model the
+    caller already sharded with ``fully_shard`` is trained as it is), and
+    under a pipeline ``schedule`` over ``micro_batches``. ``ddp_options``
+    go to our DDP (``overlap_param_gather=True``)."""
     from .. import DistributedDataParallel
 
     replicas = state.dp_cp_group  # the ranks holding the same parameters
@@ -121,7 +122,8 @@ def make_step(
         if zero_stage:
             raise ValueError("[parallel] fsdp shards the optimizer itself: leave zero_stage 0")
         fully_shard_model(model, state)
-    wrapped = not fsdp and (replicas.size() > 1 or zero_stage == 2)
+    sharded = fsdp or hasattr(model, "unshard")  # FSDP2's, on a sharded model
+    wrapped = not sharded and (replicas.size() > 1 or zero_stage == 2)
     pipe = runner = None
     if state.pp_size > 1:
         stage = model.pipeline_stage(wrap=wrap if wrapped else None)

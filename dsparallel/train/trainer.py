@@ -21,7 +21,7 @@ from .config import JobConfig, from_dict, load
 from .data import PackedStream, Tokenizer, check_files, expand, load_documents
 from .metrics import Metrics, measure_peak_flops, memory_mb
 from .models import build_model
-from .optim import lr_factor, optimizer_class, options, param_groups
+from .optim import build_optimizer, lr_factor, optimizer_class, options, param_groups
 from .step import make_step
 
 
@@ -50,7 +50,15 @@ class Trainer:
             self.cfg = from_dict(config)
         else:
             self.cfg = load(config, overrides)
-        self.history: dict[str, dict[int, float]] = {"loss": {}, "eval_loss": {}, "lr": {}}
+        self.history: dict[str, dict[int, float]] = {
+            "loss": {},
+            "eval_loss": {},
+            "lr": {},
+            "seconds": {},  # each training step's wall time on this rank
+        }
+        # Seconds this rank spent in the training steps, and within them in
+        # the trainer's own work: reading the data and reporting.
+        self.timing = {"steps": 0.0, "data": 0.0, "report": 0.0}
 
     # -------------------------------------------------------------- building
 
@@ -93,7 +101,7 @@ class Trainer:
         def make_optimizer(model, zero_group):
             groups = param_groups(model, o.weight_decay)
             if zero_group is None:
-                return cls(groups, **options(o, cls))
+                return build_optimizer(cls, groups, options(o, cls))
             return dsparallel.ZeroRedundancyOptimizer(
                 groups, cls, process_group=zero_group, **options(o, cls)
             )
@@ -231,7 +239,9 @@ class Trainer:
         """One optimizer step (``step`` counted from 0): (loss, lr, the
         gradient norm before clipping)."""
         lr = self._set_lr(step)
+        t0 = time.perf_counter()
         rows = self.train_stream.next_rows(self.local_batch)
+        self.timing["data"] += time.perf_counter() - t0
         losses = self.step_fn.backward(rows)
         self.model.allreduce_tied_grads()
         clip = self.cfg.optim.grad_clip or math.inf
@@ -319,7 +329,8 @@ class Trainer:
         prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep)
 
     def fit(self) -> dict:
-        """Trains; returns the history (step -> loss, lr and eval loss)."""
+        """Trains; returns the history (step -> loss, lr, eval loss and the
+        step's seconds)."""
         self._build()
         cfg, ck = self.cfg, self.cfg.checkpoint
         first = self._resume()
@@ -328,6 +339,7 @@ class Trainer:
         last_log, since = time.perf_counter(), 0
         step = first
         for step in range(first + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
             loss, lr, norm = self._train_step(step - 1)
             self.history["loss"][step] = loss
             self.history["lr"][step] = lr
@@ -350,6 +362,9 @@ class Trainer:
                     step,
                 )
                 last_log, since = time.perf_counter(), 0
+                self.timing["report"] += last_log - now
+            self.history["seconds"][step] = time.perf_counter() - t0
+            self.timing["steps"] += self.history["seconds"][step]
             if self.eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self._log_eval(step)
             if ck.dir and ck.every and step % ck.every == 0:

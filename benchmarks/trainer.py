@@ -1,0 +1,202 @@
+"""The trainer (``python -m dsparallel.train``) against the ``transformers``
+``Trainer``: a Llama of about 90M parameters trained on this repository's
+docs, 2 processes (one per core), the same tokenizer, packed sequences,
+optimizer and schedule, in one run.
+
+    python benchmarks/trainer.py [--steps 8]
+
+Both train AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1, warmup then
+cosine, clipping at 1.0) on sequences of 256 tokens, a global batch of 8,
+packed from the docs with a byte-level BPE tokenizer of 8192 tokens. Ours
+runs at dp 2 and at tp 2 with sequence parallelism; the ``transformers``
+``Trainer`` runs its DDP over gloo as constructed by default and with its
+best settings here (``ddp_bucket_cap_mb=100``, no buffer broadcast), and
+over "dsp" (a process group it finds initialised). Reported per
+configuration: training tokens/s of each timed step (rank 0's wall time per
+optimizer step, everything the trainer does included: data, the step,
+logging), and for ours the share of the step spent in the trainer's own
+work (reading data, reporting metrics).
+
+Needs ``pip install accelerate==1.13.0`` (the ``Trainer``'s own dependency).
+
+torchtitan is not among them: its CPU run needs six changes to its source
+(see the trainer guide), which a fair baseline should not depend on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import ROOT, save, stats  # noqa: E402
+from launch import run_ranks  # noqa: E402
+
+WORLD = 2
+SEQ, BATCH, VOCAB = 256, 8, 8192
+LLAMA = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=10,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+OPTIM = dict(lr=3e-4, warmup_steps=2, decay="cosine", min_lr_ratio=0.1, grad_clip=1.0)
+
+
+def _job(tok: str, model: str, parallel: dict, steps: int) -> dict:
+    return {
+        "model": {"name": model},
+        "parallel": parallel,
+        "data": {
+            "train": [os.path.join(ROOT, "docs", "**", "*.md")],
+            "tokenizer": tok,
+            "seq_len": SEQ,
+            "global_batch": BATCH,
+        },
+        "optim": OPTIM,
+        "train": {"steps": steps, "log_every": 1},
+        "metrics": {"progress": False, "peak_flops": 1e9},
+    }
+
+
+def _ours(rank, world, job, warmup):
+    import dsparallel
+    from dsparallel.train import Trainer
+
+    trainer = Trainer(job)
+    history = trainer.fit()
+    dsparallel.destroy_parallel()
+    seconds = [t for s, t in sorted(history["seconds"].items()) if s > warmup]
+    timing = trainer.timing
+    own = (timing["data"] + timing["report"]) / timing["steps"]
+    return {"tokens_per_s": stats(SEQ * BATCH / t for t in seconds), "own_share": own}
+
+
+def _transformers(rank, world, tok, model_dir, backend, options, steps, warmup):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from dsparallel.train.data import PackedStream, Tokenizer, expand, load_documents
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    if backend == "dsp":
+        import dsparallel  # noqa: F401  (registers "dsp")
+
+        dist.init_process_group("dsp")
+    files = expand([os.path.join(ROOT, "docs", "**", "*.md")], "train")
+    stream = PackedStream(
+        load_documents(files, "text", "document", False), Tokenizer(tok), SEQ, 0, 1, seed=0
+    )
+    rows = [stream.next_rows(1)[0] for _ in range(BATCH * steps)]
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": rows[i], "labels": rows[i]}
+
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=BATCH // world,
+        max_steps=steps,
+        learning_rate=OPTIM["lr"],
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.1,
+        warmup_steps=OPTIM["warmup_steps"],
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **({"ddp_backend": "gloo"} if backend == "gloo" else {}),
+        **options,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()]).train()
+    seconds = [b - a for a, b in zip(stamps, stamps[1:])][warmup - 1 :]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"tokens_per_s": stats(SEQ * BATCH / t for t in seconds)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    a = ap.parse_args()
+    steps = a.steps + a.warmup
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dsparallel.train.tokenizer import train_tokenizer
+
+        tok = train_tokenizer(
+            sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)),
+            VOCAB,
+            os.path.join(root, "tok"),
+        )
+        torch.manual_seed(0)
+        model_dir = os.path.join(root, "llama")
+        LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **LLAMA)).save_pretrained(model_dir)
+        baselines = [
+            ("transformers Trainer, DDP over gloo (defaults)", "gloo", {}),
+            (
+                "transformers Trainer, DDP over gloo (100 MB buckets, no buffer broadcast)",
+                "gloo",
+                {"ddp_bucket_cap_mb": 100, "ddp_broadcast_buffers": False},
+            ),
+            ("transformers Trainer, DDP over dsp", "dsp", {}),
+        ]
+        for name, backend, options in baselines:
+            r = run_ranks(_transformers, WORLD, tok, model_dir, backend, options, steps, a.warmup)
+            rows.append({"system": "baseline", "layout": name, **r})
+            print(name, f"{r['tokens_per_s']['median']:.0f} tokens/s", flush=True)
+        ours = [
+            ("dsparallel.train, dp 2", {}),
+            ("dsparallel.train, dp 2, ZeRO-1", {"zero_stage": 1}),
+            ("dsparallel.train, tp 2 + sp", {"tensor": 2, "sequence_parallel": True}),
+        ]
+        for name, parallel in ours:
+            r = run_ranks(_ours, WORLD, _job(tok, model_dir, parallel, steps), a.warmup)
+            rows.append({"system": "dsparallel", "layout": name, **r})
+            print(name, f"{r['tokens_per_s']['median']:.0f} tokens/s", flush=True)
+    config = {**vars(a), "world": WORLD, "seq": SEQ, "batch": BATCH, "vocab": VOCAB}
+    save("trainer", rows, {**config, "llama": LLAMA, "optim": OPTIM})
+    best = max(
+        (r for r in rows if r["system"] == "baseline"), key=lambda r: r["tokens_per_s"]["median"]
+    )
+    base = best["tokens_per_s"]["median"]
+    print(f"\ntokens/s (x the best baseline: {best['layout']})")
+    for r in rows:
+        t = r["tokens_per_s"]
+        own = f"  own work {100 * r['own_share']:.1f}% of a step" if "own_share" in r else ""
+        print(
+            f"  {r['layout']:<76} {t['median']:7.0f} [{t['min']:.0f}-{t['max']:.0f}] "
+            f"{t['median'] / base:5.2f}x{own}"
+        )
+
+
+if __name__ == "__main__":
+    main()
