@@ -446,6 +446,31 @@ def _models(r):
     return lines
 
 
+def _trainer(r):
+    cfg = r["config"]
+    base = _fastest_baseline(r["rows"])
+    lines = [
+        f"A Llama of about 90M parameters trained on the docs by the trainer, on {cfg['world']}",
+        f"processes, global batch {cfg['batch']} x {cfg['seq']} tokens, the same tokenizer,",
+        "packed sequences, AdamW, schedule and clipping for every system: training",
+        "tokens/s per optimizer step (everything the trainer does included). Ratios are",
+        "against the fastest `transformers` `Trainer`; for ours, the share of a step the",
+        "trainer's own work takes (reading data, reporting metrics).",
+        "",
+    ]
+    body = [
+        [
+            x["layout"],
+            t(x["tokens_per_s"]),
+            ratio(x["tokens_per_s"], base["tokens_per_s"]),
+            f"{100 * x['own_share']:.1f}%" if "own_share" in x else "",
+        ]
+        for x in r["rows"]
+    ]
+    lines += table(["system", "tokens/s", "/ best baseline", "own work"], body)
+    return lines
+
+
 def _inference(r):
     cfg = r["config"]
     rows = [x for x in r["rows"] if "error" not in x]
@@ -785,6 +810,7 @@ SECTIONS = [
     ("hybrid", "Hybrid layouts of the GPT job", "hybrid.py", _hybrid),
     ("models", "Llama and DeepSeek-V3", "models.py", _models),
     ("models_dtype", "Llama and DeepSeek-V3 in bf16", "models.py --part dtype", _models_dtype),
+    ("trainer", "The trainer against the transformers Trainer", "trainer.py", _trainer),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
     (
