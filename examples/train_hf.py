@@ -33,43 +33,11 @@ from train_gpt import batch, load_corpus
 
 import dsparallel
 from dsparallel.models import DeepseekV3, Llama, from_pretrained
+from dsparallel.train.models import BUILTIN
 from dsparallel.train.step import Step, make_step
 
-SMALL = {
-    "llama": dict(
-        model_type="llama",
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    ),
-    "deepseek_v3": dict(
-        model_type="deepseek_v3",
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        max_position_embeddings=4096,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    ),
-}
+# The trainer's small built-in configs, over the corpus's ids (below 128).
+SMALL = {name: {**config, "vocab_size": 128} for name, config in BUILTIN.items()}
 CLASSES = {"llama": Llama, "deepseek_v3": DeepseekV3}
 
 
