@@ -42,7 +42,11 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, optimizer=No
     inf = norm_type == float("inf")
     weights = _weights(model)
     held = optimizer.owned_grads() if isinstance(optimizer, ZeroRedundancyOptimizer) else {}
-    acc = torch.zeros((), dtype=torch.float64)
+    # Whole tensors of one weight go through torch's per-tensor norm kernel
+    # (as torch.nn.utils.clip_grad_norm_ computes them), one call per
+    # weight; tensors whose blocks weigh differently, element by element.
+    uniform: dict[float, list[torch.Tensor]] = {}
+    weighted: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad or name in model._copies:
             continue
@@ -56,11 +60,25 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, optimizer=No
         else:
             parts = [(p.grad, w / _replicas(model, p))]
         for g, scale in parts:
-            g = g.detach().double().abs().reshape(-1)
-            if inf:
-                acc = torch.maximum(acc, g.max()) if g.numel() else acc
+            if g.numel() == 0:
+                continue
+            if isinstance(scale, float):
+                uniform.setdefault(scale, []).append(g.detach())
             else:
-                acc += (g.pow(norm_type) * scale).sum()
+                weighted.append((g.detach(), scale))
+    acc = torch.zeros((), dtype=torch.float64)
+    for scale, grads in uniform.items():
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).double()
+        if inf:
+            acc = torch.maximum(acc, norms.max())
+        else:
+            acc += norms.pow(norm_type).sum() * scale
+    for g, scale in weighted:
+        g = g.double().abs().reshape(-1)
+        if inf:
+            acc = torch.maximum(acc, g.max())
+        else:
+            acc += (g.pow(norm_type) * scale.reshape(-1)).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
     total = acc if inf else acc.pow(1.0 / norm_type)
