@@ -26,6 +26,8 @@ _TOKENIZE_AHEAD = 64  # documents tokenized in one batch call
 
 def expand(patterns: list[str], what: str) -> list[str]:
     """The files ``patterns`` match (``**`` recurses), sorted, each once."""
+    if not patterns:
+        raise ValueError(f"[data] {what}: no file patterns given")
     files: list[str] = []
     for pattern in patterns:
         found = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
