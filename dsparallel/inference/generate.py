@@ -29,6 +29,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..models.forward_stages import ForwardStages
 from .kv_cache import KVCache
 
 
@@ -242,7 +243,6 @@ def _run_local(model, input_ids, full_mask, positions, cache, sampler, stop, ste
 def _run_pipelined(model, input_ids, full_mask, positions, cache, sampler, stop, steps):
     """Micro-batches in flight through the stages (see the module docstring)."""
     lay = model.layout
-    group, last = lay.pp_group, lay.pp_size - 1
     b, p = input_ids.shape
     bounds = [
         (int(c[0]), int(c[-1]) + 1) for c in torch.arange(b).tensor_split(min(b, lay.pp_size))
@@ -250,39 +250,43 @@ def _run_pipelined(model, input_ids, full_mask, positions, cache, sampler, stop,
     hidden, dtype = model.config.hidden_size, model._dtype()
     caches = [cache.rows(a, z) for a, z in bounds]
     out = torch.empty(b, steps, dtype=torch.long)  # the last stage's tokens, in place
-    # Per micro-batch its last send (work, tensor): the tensor lives until
-    # the send completes, which it has when this micro-batch's next input
-    # arrives (that needed the send received), so waiting on it then
-    # costs nothing and nothing piles up over the steps.
-    pending = {}
-    for n in range(steps):
+    stages = ForwardStages(model)
+    last = model.num_stages - 1
+    first_rank, last_rank = model.stage_owner(0), model.stage_owner(last)
+    fed = {}  # micro-batch -> its next input, where one rank holds the first and last stage
+
+    def run(n):  # step n: the prompts (n = 0), then one token each
         start, q = (0, p) if n == 0 else (p + n - 1, 1)
-        for m, (a, z) in enumerate(bounds):
-            if model.is_first:
-                if n == 0:
-                    x = input_ids[a:z]
-                else:
-                    x = torch.empty(z - a, 1, dtype=torch.long)
-                    dist.recv(x, group=group, group_src=last)
-            else:
-                x = torch.empty(q, z - a, hidden, dtype=dtype)
-                dist.recv(x, group=group, group_src=lay.pp_rank - 1)
+
+        def first(m):
+            a, z = bounds[m]
+            if n == 0:
+                return input_ids[a:z]
+            if first_rank == last_rank:
+                return fed.pop(m)
+            return stages.recv((z - a, 1), torch.long, last_rank)
+
+        def compute(s, m, x):
+            a, z = bounds[m]
             keys = None if full_mask is None else full_mask[a:z]
-            h = model.cached_step(x, positions[a:z, start : start + q], keys, caches[m], start)
-            if not model.is_last:
-                _send(pending, m, h.contiguous(), group, lay.pp_rank + 1)
-                continue
+            h = model.cached_step(x, positions[a:z, start : start + q], keys, caches[m], start, s)
+            if s < last:
+                return h
             tokens = stop.apply(sampler(h), slice(a, z))
             out[a:z, n] = tokens
-            if n < steps - 1:
-                _send(pending, m, tokens[:, None].contiguous(), group, 0)
-    for work, _ in pending.values():
-        work.wait()
-    dist.broadcast(out, group=group, group_src=last)
+            if n < steps - 1 and first_rank == last_rank:
+                fed[m] = tokens[:, None]
+            elif n < steps - 1:
+                stages.send(("tokens", m), tokens[:, None].contiguous(), first_rank)
+            return tokens
+
+        def buffer(s, m):
+            return (q, bounds[m][1] - bounds[m][0], hidden), dtype
+
+        stages.step(len(bounds), first, compute, buffer)
+
+    for n in range(steps):
+        run(n)
+    stages.finish()
+    dist.broadcast(out, group=lay.pp_group, group_src=last_rank)
     return out
-
-
-def _send(pending: dict, m: int, tensor: torch.Tensor, group, dst: int) -> None:
-    if m in pending:
-        pending[m][0].wait()
-    pending[m] = (dist.isend(tensor, group=group, group_dst=dst), tensor)

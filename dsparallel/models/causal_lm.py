@@ -8,13 +8,16 @@ only, so neither a fresh model nor ``from_pretrained`` ever holds a whole
 tensor it does not keep (``from_pretrained`` at most its shard plus the
 block of one tensor being read).
 
-Under pipeline parallelism each rank holds its stage's decoder layers
-(the first stage also the embedding, the last the norm and LM head).
-``model(...)`` then runs a forward-only pass through the stages (every
-rank of the pipeline calls it with the same inputs; the last stage returns
-the logits and loss): for evaluation. Training runs the stages under one of
-the pipeline schedules through ``model.pipeline_stage()`` and
-``model.loss_fn``, as the GPT does.
+Under pipeline parallelism each rank holds its stages' decoder layers
+(the first stage also the embedding, the last the norm and LM head): one
+stage, or with ``stages_per_rank`` several, placed as the schedule wants
+them (``stage_placement``: "loop", rank r holding r, r + p, ...; "v",
+rank r holding r and 2p - 1 - r, for ZBV and DualPipeV). ``model(...)``
+then runs a forward-only pass through the stages (every rank of the
+pipeline calls it with the same inputs; the rank of the last stage returns
+the logits and loss): for evaluation (``forward_stages`` drives it, as it
+drives generation's). Training runs the stages under one of the pipeline
+schedules through ``model.pipeline_stages()`` and ``model.loss_fn``.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import context_parallel
+from .. import _C, context_parallel
 from .. import tensor_parallel as tp
 from ..checkpoint import checkpoint as recompute
 from ..context_parallel import check_mode
 from ..mixed_precision import MixedPrecision, compute_dtype
 from ..mixed_precision import apply as apply_mixed_precision
 from ..mixed_precision import describe as describe_precision
+from .forward_stages import ForwardStages, stage_ids
 from .gpt import stage_blocks
 from .hf_config import read_config
 from .hf_map import initial_block, materialize, padded_rows, specs_of, split
@@ -58,7 +62,11 @@ torch.utils._pytree.register_dataclass(CausalLMOutput)
 
 
 class CausalLM(nn.Module):
-    """Subclasses set ``model_type``, ``architecture``, ``defaults`` (the
+    """``stages_per_rank`` and ``stage_placement`` ("loop" or "v"): this
+    rank's pipeline stages (``stage_ids``), as a schedule of several stages
+    per rank wants them (see the module docstring).
+
+    Subclasses set ``model_type``, ``architecture``, ``defaults`` (the
     config fields ``transformers`` fills in) and build ``make_layer(i)``,
     ``make_rotary()`` and ``check(config)``."""
 
@@ -78,6 +86,8 @@ class CausalLM(nn.Module):
         cp_mode: str = "ring",
         mixed_precision: MixedPrecision | None = None,
         pad_vocab_to: int = 64,
+        stages_per_rank: int = 1,
+        stage_placement: str = "loop",
         _initialize: bool = True,
     ):
         super().__init__()
@@ -97,8 +107,17 @@ class CausalLM(nn.Module):
         self.check(cfg)
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         self.padded_vocab = padded_vocab(vocab, lay.tp_size, pad_vocab_to)
-        self.is_first, self.is_last = lay.pp_rank == 0, lay.pp_rank == lay.pp_size - 1
+        # This rank's pipeline stages, ascending; is_first / is_last: it
+        # holds the first (the embedding) / the last (norm and LM head).
+        self.stage_ids = stage_ids(lay.pp_rank, lay.pp_size, stages_per_rank, stage_placement)
+        self.num_stages = lay.pp_size * stages_per_rank
+        self.stage_placement = stage_placement
+        self.is_first, self.is_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         self.tied = bool(cfg.get("tie_word_embeddings", False))
+        # One stage holding both ends reads the embedding as its LM head;
+        # otherwise the last stage holds a copy (Megatron's), whose
+        # gradient allreduce_tied_grads sums with the embedding's.
+        self._head_is_embedding = self.tied and self.num_stages == 1
         embed_key = "model.embed_tokens.weight"
         g, r, n = lay.tp_group, lay.tp_rank, lay.tp_size
         self.rotary = self.make_rotary()
@@ -111,7 +130,11 @@ class CausalLM(nn.Module):
             self.embed_tokens.hf_specs = {"weight": spec}
             if self.padded_vocab != vocab:
                 self.padded_keys["embed_tokens.weight"] = embed_key
-        blocks = stage_blocks(cfg.num_hidden_layers, lay.pp_rank, lay.pp_size)
+        self.stage_layers = {
+            s: [str(i) for i in stage_blocks(cfg.num_hidden_layers, s, self.num_stages)]
+            for s in self.stage_ids
+        }
+        blocks = [int(i) for names in self.stage_layers.values() for i in names]
         self.layers = nn.ModuleDict({str(i): self.make_layer(i) for i in blocks})
         check_mode(
             cp_mode, cfg.num_attention_heads // lay.tp_size, lay.cp_size, type(self).__name__
@@ -121,7 +144,7 @@ class CausalLM(nn.Module):
         self._tied_group = None
         if self.is_last:
             self.norm = RMSNorm(hidden, cfg.rms_norm_eps, "model.norm.weight", lay)
-            if not (self.tied and self.is_first):
+            if not self._head_is_embedding:
                 self.lm_head = tp.ColumnParallelLinear(
                     hidden, table[0], bias=False, group=g, sequence_parallel=lay.sp, device="meta"
                 )
@@ -132,7 +155,7 @@ class CausalLM(nn.Module):
                     self.padded_keys["lm_head.weight"] = key
                 if self.tied:
                     self._copies.add("lm_head.weight")
-        if self.tied and lay.pp_size > 1:
+        if self.tied and self.num_stages > 1 and self.stage_owner(self.num_stages - 1) != 0:
             self._tied_group = _first_last_stage_group(lay)
         # to_empty makes new Parameters (meta -> cpu): carry over the marks
         # our DDP, ZeRO and dtype handling read.
@@ -248,9 +271,12 @@ class CausalLM(nn.Module):
             h = tp.scatter_to_sequence_parallel_region(h, self.layout.tp_group)
         return h
 
-    def run_layers(self, h, position_ids, mask) -> torch.Tensor:
+    def run_layers(self, h, position_ids, mask, stage: int | None = None) -> torch.Tensor:
+        """The decoder layers of pipeline stage ``stage`` (all of this
+        rank's layers for None)."""
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
-        for layer in self.layers.values():
+        names = self.layers.keys() if stage is None else self.stage_layers[stage]
+        for layer in (self.layers[n] for n in names):
             if self.checkpoint and torch.is_grad_enabled():
                 h = recompute(layer, h, cos, sin, mask)
             else:
@@ -261,7 +287,7 @@ class CausalLM(nn.Module):
         """This rank's vocabulary slice of the logits [seq, batch, vocab / tp]
         of the last stage."""
         h = self.norm(h)
-        if self.tied and self.is_first:
+        if self._head_is_embedding:
             # Read outside the embedding's forward: no cast copy there.
             w = self.embed_tokens.weight.to(h.dtype)
             logits = F.linear(self.layout.enter(h), w)
@@ -364,33 +390,41 @@ class CausalLM(nn.Module):
     def _pipelined(self, input_ids, labels, position_ids, mask, return_logits, num_items):
         lay = self.layout
         b, s = input_ids.shape
-        if self.is_first:
-            h = self.embed(input_ids)
-        else:
-            local = s // lay.tp_size if lay.sp else s
-            h = torch.empty(local, b, self.config.hidden_size, dtype=self._dtype())
-            dist.recv(h, group=lay.pp_group, group_src=lay.pp_rank - 1)
-        h = self.run_layers(h, position_ids, mask)
-        if not self.is_last:
-            dist.send(h.contiguous(), group=lay.pp_group, group_dst=lay.pp_rank + 1)
-            return CausalLMOutput()
-        return self._output(h, labels, return_logits, num_items)
+        local = s // lay.tp_size if lay.sp else s
+        shape = (local, b, self.config.hidden_size)
+
+        def compute(stage, m, x):
+            h = self.embed(x) if stage == 0 else x
+            h = self.run_layers(h, position_ids, mask, stage)
+            if stage < self.num_stages - 1:
+                return h
+            return self._output(h, labels, return_logits, num_items)
+
+        stages = ForwardStages(self)
+        out = stages.step(1, lambda m: input_ids, compute, lambda s, m: (shape, self._dtype()))
+        stages.finish()
+        return out.get(0, CausalLMOutput())
 
     @torch.no_grad()
-    def cached_step(self, x, position_ids, attention_mask, cache, start: int) -> torch.Tensor:
-        """One forward of this stage over queries at positions start.. with
-        the KV cache (``dsparallel.inference``): ``x`` the token ids [batch,
-        q] (first stage) or the previous stage's hidden states; ``attention_mask``
+    def cached_step(
+        self, x, position_ids, attention_mask, cache, start: int, stage: int | None = None
+    ) -> torch.Tensor:
+        """One forward of pipeline stage ``stage`` (by default this rank's
+        only one) over queries at positions start.. with the KV cache
+        (``dsparallel.inference``): ``x`` the token ids [batch, q] (first
+        stage) or the previous stage's hidden states; ``attention_mask``
         [batch, >= start + q] over every position so far; ``cache`` this
-        stage's per-layer caches. Returns the hidden states, or on the last
-        stage the full-vocabulary logits of the last position [batch, vocab].
-        ``attention_mask=None``: no padding."""
-        h = self.embed(x) if self.is_first else x
+        rank's per-layer caches. Returns the hidden states, or on the last
+        stage the full-vocabulary logits of the last position [batch,
+        vocab]. ``attention_mask=None``: no padding."""
+        if stage is None:
+            (stage,) = self.stage_ids
+        h = self.embed(x) if stage == 0 else x
         mask = cached_mask(attention_mask, h.shape[1], h.shape[0], start)
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
-        for index, layer in self.layers.items():
-            h = layer(h, cos, sin, mask, (cache[index], start))
-        if not self.is_last:
+        for index in self.stage_layers[stage]:
+            h = self.layers[index](h, cos, sin, mask, (cache[index], start))
+        if stage < self.num_stages - 1:
             return h
         logits = last_logits(self.vocab_parallel_logits(h[-1:]), self.layout)
         return logits[:, : self.config.vocab_size]
@@ -419,15 +453,30 @@ class CausalLM(nn.Module):
 
     # --------------------------------------------------------------- pipeline
 
+    def stage_owner(self, stage: int) -> int:
+        """The pipeline rank holding pipeline stage ``stage``."""
+        return _C.rank_of_stage(stage, self.layout.pp_size, self.stage_placement)
+
     def pipeline_stage(self, wrap=None):
-        """This rank's stage for a pipeline schedule (one stage per rank):
-        its input is the token ids (first stage) or the previous stage's
-        hidden states, its output the hidden states or, on the last stage,
-        the vocabulary-parallel logits for ``loss_fn``. Causal attention
+        """This rank's stage for a pipeline schedule of one stage per rank
+        (``pipeline_stages`` for several)."""
+        if len(self.stage_ids) != 1:
+            raise ValueError(
+                f"{type(self).__name__}.pipeline_stage: this rank holds stages "
+                f"{self.stage_ids}: use pipeline_stages()"
+            )
+        return self.pipeline_stages(wrap)[0]
+
+    def pipeline_stages(self, wrap=None) -> list:
+        """This rank's stages for a pipeline schedule, ascending: a stage's
+        input is the token ids (first stage) or the previous stage's hidden
+        states, its output the hidden states or, on the last stage, the
+        vocabulary-parallel logits for ``loss_fn``. Causal attention
         without padding, positions 0..seq-1. Under context parallelism the
         first stage takes the whole sequences' ids, as ``loss_fn`` their
-        whole labels; the stages pass on this rank's part. ``wrap`` wraps the stage's
-        module (``wrap=DistributedDataParallel`` for data parallelism)."""
+        whole labels; the stages pass on this rank's part. ``wrap`` wraps
+        each stage's module, which holds that stage's parameters only
+        (``wrap=DistributedDataParallel`` for data parallelism)."""
         from ..pipeline import PipelineStage
 
         lay = self.layout
@@ -439,8 +488,11 @@ class CausalLM(nn.Module):
                 "and gradients with ZeRO (DistributedDataParallel(zero_stage=2) and "
                 "ZeroRedundancyOptimizer) instead"
             )
-        module = _Stage(self) if wrap is None else wrap(_Stage(self))
-        return PipelineStage(module, lay.pp_rank, lay.pp_size, group=lay.pp_group)
+        wrap = wrap or (lambda module: module)
+        return [
+            PipelineStage(wrap(_Stage(self, s)), s, self.num_stages, group=lay.pp_group)
+            for s in self.stage_ids
+        ]
 
     def allreduce_tied_grads(self) -> None:
         """With tied embeddings under pipeline parallelism the last stage
@@ -453,19 +505,18 @@ class CausalLM(nn.Module):
         shards, whose slices of the two copies differ (each lies in its own
         stage's buckets): there the copy's whole gradient is pieced
         together over the data-parallel group first."""
-        if self._tied_group is None:
+        if not self.tied or self._head_is_embedding or not (self.is_first or self.is_last):
+            return
+        if self.is_first and self.is_last:  # both copies on this rank (a V)
+            copies = [self.embed_tokens.weight, self.lm_head.weight]
+            total = sum(_grad_of(p) for p in copies)
+            for p in copies:
+                _set_grad(p, total)
             return
         p = self.embed_tokens.weight if self.is_first else self.lm_head.weight
-        buffer = getattr(p, "_dsp_zero_buffer", None)
-        if buffer is not None:
-            grad = buffer.param_grad(p)
-            dist.all_reduce(grad, group=self._tied_group)
-            buffer.set_param_grad(p, grad)
-            return
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grad = _grad_of(p)
         dist.all_reduce(grad, group=self._tied_group)
+        _set_grad(p, grad)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, optimizer=None):
         """Clips every gradient of the model by the whole model's norm,
@@ -569,29 +620,68 @@ def padded_vocab(vocab: int, tp: int, multiple: int) -> int:
     return -(-vocab // step) * step
 
 
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``p`` wherever it is held: ZeRO-2's gradient shards,
+    whose slices of the two tied copies differ (each lies in its own
+    stage's buckets), pieced together over the data-parallel group; else
+    ``.grad`` (a DTensor's local shard under FSDP2, sharded alike on both
+    stages), zeros where none."""
+    buffer = getattr(p, "_dsp_zero_buffer", None)
+    if buffer is not None:
+        return buffer.param_grad(p)
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+
+
+def _set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    buffer = getattr(p, "_dsp_zero_buffer", None)
+    if buffer is not None:
+        buffer.set_param_grad(p, grad)
+        return
+    local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    if local.data_ptr() != grad.data_ptr():
+        local.copy_(grad)
+
+
 def _dsp_marks(p: torch.Tensor) -> dict:
     return {k: v for k, v in vars(p).items() if k.startswith("_dsp_")}
 
 
 class _Stage(nn.Module):
-    """A model's stage as a pipeline schedule calls it: one tensor in, one out."""
+    """Pipeline stage ``stage`` of a model as a schedule calls it: one
+    tensor in, one out. It holds the stage's own modules only (the
+    embedding, its layers, the norm and LM head), so that a wrapper (DDP)
+    around it sees this stage's parameters and no other's."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, stage: int):
         super().__init__()
-        self.model = model
+        object.__setattr__(self, "model", model)  # not a submodule: its parameters are not ours
+        self.stage = stage
+        self.is_first, self.is_last = stage == 0, stage == model.num_stages - 1
+        policy = getattr(model, "_dsp_mixed_precision", None)
+        if policy is not None:  # what a DDP around the stage reduces in
+            self._dsp_mixed_precision = policy
+        if self.is_first:
+            self.embed_tokens = model.embed_tokens
+        self.layers = nn.ModuleDict({n: model.layers[n] for n in model.stage_layers[stage]})
+        if self.is_last:
+            self.norm = model.norm
+            if not model._head_is_embedding:
+                self.lm_head = model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m, lay = self.model, self.model.layout
-        if m.is_first and lay.cp_size > 1:  # the whole sequences' ids
+        if self.is_first and lay.cp_size > 1:  # the whole sequences' ids
             x = context_parallel.shard_sequence(x, lay.cp_group)
-        h = m.embed(x) if m.is_first else x
+        h = m.embed(x) if self.is_first else x
         seq = h.shape[0] * (lay.tp_size if lay.sp else 1)
         if lay.cp_size == 1:
             positions = torch.arange(seq, device=h.device)
         else:
             positions = context_parallel.positions(seq * lay.cp_size, lay.cp_group, h.device)
-        h = m.run_layers(h, positions.unsqueeze(0), None)
-        return m.vocab_parallel_logits(h) if m.is_last else h
+        h = m.run_layers(h, positions.unsqueeze(0), None, self.stage)
+        return m.vocab_parallel_logits(h) if self.is_last else h
 
 
 def _first_last_stage_group(lay: Layout):

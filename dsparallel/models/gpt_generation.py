@@ -43,6 +43,11 @@ class GPTForGeneration(nn.Module):
         if any(b.attn.cp_group is not None for b in blocks):
             raise ValueError("GPTForGeneration: build the stage without context parallelism")
         self.layers = dict(zip(map(str, indices), blocks))  # the stage holds them
+        # One stage per rank: what generate's stage driver reads.
+        self.stage_ids, self.num_stages = [lay.pp_rank], lay.pp_size
+
+    def stage_owner(self, stage: int) -> int:
+        return stage
 
     def _dtype(self) -> torch.dtype:
         return next(self.stage.parameters()).dtype
@@ -60,7 +65,9 @@ class GPTForGeneration(nn.Module):
         return out
 
     @torch.no_grad()
-    def cached_step(self, x, position_ids, attention_mask, cache, start: int) -> torch.Tensor:
+    def cached_step(
+        self, x, position_ids, attention_mask, cache, start: int, stage: int | None = None
+    ) -> torch.Tensor:
         """As ``CausalLM.cached_step``: token ids [batch, q] (first stage) or
         hidden states [q, batch, hidden] in; hidden states, or on the last
         stage the last position's logits [batch, vocab], out."""

@@ -102,9 +102,11 @@ def _weights(model) -> dict:
         return cached
     lay = model.layout
     nodes = model.checkpoint_map()
+    # A tied copy is not counted (nor is it a second holder of the embedding's blocks).
     mine = {
         name: [(q.key, q.dim, q.start, q.length) for q in pieces_of(nodes[name])]
         for name, _ in model.named_parameters()
+        if name not in model._copies
     }
     every = [mine]
     if lay.tp_size > 1:
@@ -117,6 +119,8 @@ def _weights(model) -> dict:
                 held[block] = held.get(block, 0) + 1
     weights = {}
     for name, p in model.named_parameters():
+        if name not in mine:
+            continue
         counts = [held[block] for block in mine[name]]
         if len(set(counts)) <= 1:  # none: padding only, whose gradient is zero
             weights[name] = 1.0 / counts[0] if counts else 1.0

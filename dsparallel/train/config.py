@@ -39,7 +39,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     zero_stage: int = 0  # 0, 1 (optimizer state sharded) or 2 (and gradients)
     fsdp: bool = False  # torch's fully_shard (FSDP2) instead of our DDP
-    schedule: str = "1f1b"  # gpipe | 1f1b | zb1p (one stage per rank)
+    # gpipe | 1f1b | interleaved_1f1b | zb1p | zbv | dualpipev
+    schedule: str = "1f1b"
+    stages_per_rank: int = 0  # 0: the schedule's own (2 for interleaved_1f1b, zbv, dualpipev)
     micro_batches: int = 1  # per step under a pipeline
     recompute: bool = False  # each layer's activations recomputed in backward
 

@@ -101,9 +101,13 @@ def precision(cfg) -> tuple[torch.dtype | None, MixedPrecision | None]:
 def build_model(cfg, parallel, state, vocab_size: int, seed: int):
     """This rank's part of the model of ``[model]`` at ``state``'s layout."""
     from ..models import DeepseekV3, Llama, from_pretrained
+    from .step import stage_layout
 
     dtype, policy = precision(cfg)
+    per_rank, placement = stage_layout(parallel.schedule, parallel.stages_per_rank)
     kwargs = dict(
+        stages_per_rank=per_rank,
+        stage_placement=placement,
         mixed_precision=policy,
         checkpoint=parallel.recompute,
         sequence_parallel=parallel.sequence_parallel,

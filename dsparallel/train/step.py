@@ -10,12 +10,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The schedules of one stage per rank (what the models build today).
+# Per schedule: its class, where it wants the stages ("loop": rank r holds
+# r, r + p, ...; "v": r and 2p - 1 - r) and how many per rank by default.
 SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "zb1p": "ScheduleInterleavedZeroBubble",
+    "gpipe": ("ScheduleGPipe", "loop", 1),
+    "1f1b": ("Schedule1F1B", "loop", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", 2),
+    "zb1p": ("ScheduleInterleavedZeroBubble", "loop", 1),
+    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
+    "dualpipev": ("ScheduleDualPipeV", "v", 2),
 }
+
+
+def stage_layout(schedule: str, stages_per_rank: int = 0) -> tuple[int, str]:
+    """(stages per rank, placement) of a schedule, for the model's
+    ``stages_per_rank`` and ``stage_placement``; ``stages_per_rank`` 0 takes
+    the schedule's own (two for interleaved 1F1B, ZBV and DualPipeV)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"[parallel] schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _, placement, default = SCHEDULES[schedule]
+    per_rank = stages_per_rank or default
+    fixed = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}.get(schedule)
+    if fixed is not None and per_rank != fixed:
+        raise ValueError(
+            f"[parallel] stages_per_rank: {schedule} runs {fixed} stage(s) per rank, not "
+            f"{per_rank} (interleaved_1f1b and zb1p take any number)"
+        )
+    return per_rank, placement
 
 
 @dataclass
@@ -69,19 +90,16 @@ def fully_shard_model(model, state) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def pipeline_schedule(name: str, stage, micro_batches: int, loss_fn):
+def pipeline_schedule(name: str, stages: list, micro_batches: int, loss_fn):
+    """The schedule ``name`` over this rank's ``stages`` (as the model
+    built them for ``stage_layout(name)``)."""
     from .. import pipeline
 
-    if name not in SCHEDULES:
-        raise ValueError(
-            f"[parallel] schedule: {name!r} is not one of {', '.join(SCHEDULES)} (the "
-            "schedules of several stages per rank, interleaved_1f1b, zbv and dualpipev, need "
-            "models built with several stages per rank, which Llama and DeepSeek-V3 are not yet)"
-        )
-    cls = getattr(pipeline, SCHEDULES[name])
-    if name == "zb1p":  # ZB-H1: the zero-bubble schedule over one stage per rank
-        return cls([stage], n_microbatches=micro_batches, loss_fn=loss_fn)
-    return cls(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+    stage_layout(name)  # names the schedules when the name is none of them
+    cls = getattr(pipeline, SCHEDULES[name][0])
+    if name in ("gpipe", "1f1b"):
+        (stages,) = stages
+    return cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
 
 
 def make_step(
@@ -100,7 +118,8 @@ def make_step(
     over the data x context-parallel ranks (``zero_stage`` 2:
     gradients reduce-scattered), or FSDP2 with ``fsdp`` (a model the
     caller already sharded with ``fully_shard`` is trained as it is), and
-    under a pipeline ``schedule`` over ``micro_batches``. ``ddp_options``
+    under a pipeline ``schedule`` over ``micro_batches`` (the model built
+    with the stages ``stage_layout(schedule)`` gives). ``ddp_options``
     go to our DDP (``overlap_param_gather=True``)."""
     from .. import DistributedDataParallel
 
@@ -126,8 +145,8 @@ def make_step(
     wrapped = not sharded and (replicas.size() > 1 or zero_stage == 2)
     pipe = runner = None
     if state.pp_size > 1:
-        stage = model.pipeline_stage(wrap=wrap if wrapped else None)
-        pipe = pipeline_schedule(schedule, stage, micro_batches, model.loss_fn)
+        stages = model.pipeline_stages(wrap=wrap if wrapped else None)
+        pipe = pipeline_schedule(schedule, stages, micro_batches, model.loss_fn)
     else:
         runner = wrap(model) if wrapped else model
     opt = make_optimizer(model, replicas if zero_stage else None)

@@ -344,3 +344,59 @@ def test_a_decode_step_allocates_nothing_new():
     assert got["steps"] == 41 and not got["cache_moved"], got
     assert got["cache_bytes_per_token"] == 1024, got  # 2 layers x k, v x 4 heads x 32 x fp32
     assert got["in_use_growth_bytes"] < 1024 and got["held_growth_bytes"] == 0, got
+
+
+# ------------------------------------------------ several stages per rank
+
+
+def _stages_body(rank, world, path, placement, ids, mask):
+    import dsparallel
+    from dsparallel.inference import generate
+    from dsparallel.models import from_pretrained
+
+    state = dsparallel.init_parallel(1, 2)
+    model = from_pretrained(path, state, stages_per_rank=2, stage_placement=placement)
+    out = model(ids, labels=ids, return_logits=True)
+    logits = None if out.logits is None else out.logits.tolist()
+    loss = None if out.loss is None else out.loss.item()
+    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0)
+    dsparallel.destroy_parallel()
+    return {"stages": model.stage_ids, "logits": logits, "loss": loss, "tokens": tokens.tolist()}
+
+
+@pytest.mark.parametrize("placement", ["v", "loop"])
+def test_several_stages_per_rank_evaluate_and_generate_as_transformers(tmp_path, placement):
+    """A tied 4-layer Llama in 4 stages over 2 ranks, placed in a V (rank 0
+    holds stages 0 and 3: the embedding and its copy as LM head) or looped
+    (rank 0: 0 and 2): the forward's logits and loss, and generate's
+    tokens, those of transformers in one process."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    values = dict(LLAMA, num_hidden_layers=4, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**values)).float().eval()
+    path = str(tmp_path / "tied4")
+    hf.save_pretrained(path)
+    ids = torch.randint(3, 96, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        want = hf(ids, labels=ids)
+        tokens = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    ranks = run_ranks(_stages_body, 2, path, placement, ids, mask)
+    last = 0 if placement == "v" else 1
+    placed = [[0, 3], [1, 2]] if placement == "v" else [[0, 2], [1, 3]]
+    assert [r["stages"] for r in ranks] == placed
+    got = ranks[last]
+    torch.testing.assert_close(torch.tensor(got["logits"]), want.logits, rtol=1e-5, atol=1e-5)
+    assert got["loss"] == pytest.approx(want.loss.item(), rel=1e-5)
+    assert ranks[1 - last]["loss"] is None
+    for r in ranks:
+        assert r["tokens"] == tokens.tolist()

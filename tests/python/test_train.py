@@ -217,7 +217,7 @@ def test_a_malformed_jsonl_line_is_named_on_every_rank(corpus, tmp_path, line, n
 # ------------------------------------------------ the trainer against a plain loop
 
 
-def _save_hf(kind: str, path: str, vocab: int) -> None:
+def _save_hf(kind: str, path: str, vocab: int, layers: int = 2, tied: bool = False) -> None:
     torch.manual_seed(3)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -226,10 +226,11 @@ def _save_hf(kind: str, path: str, vocab: int) -> None:
             vocab_size=vocab,
             hidden_size=64,
             intermediate_size=96,
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
+            tie_word_embeddings=tied,
         )
         LlamaForCausalLM(cfg).save_pretrained(path)
     else:
@@ -289,22 +290,38 @@ def _plain_loop(corpus, model_dir: str, dp: int):
     return losses, model
 
 
+# Several stages per rank: four layers, so that each of the four stages has one.
+FOUR = dict(layers=4)
 LAYOUTS = {
-    "dp2": ("llama", dict(), 2),
-    "tp2": ("llama", dict(tensor=2, sequence_parallel=True), 1),
-    "pp2-1f1b": ("llama", dict(pipeline=2, micro_batches=2, schedule="1f1b"), 1),
-    "pp2-zb1p": ("llama", dict(pipeline=2, micro_batches=2, schedule="zb1p"), 1),
-    "dp2-zero2": ("llama", dict(zero_stage=2), 2),
-    "ep2": ("deepseek_v3", dict(expert=2), 2),
+    "dp2": ("llama", dict(), 2, {}),
+    "tp2": ("llama", dict(tensor=2, sequence_parallel=True), 1, {}),
+    "pp2-1f1b": ("llama", dict(pipeline=2, micro_batches=2, schedule="1f1b"), 1, {}),
+    "pp2-zb1p": ("llama", dict(pipeline=2, micro_batches=2, schedule="zb1p"), 1, {}),
+    # Tied embeddings in a V: both copies on rank 0, summed there.
+    "pp2-zbv-tied": (
+        "llama",
+        dict(pipeline=2, micro_batches=2, schedule="zbv"),
+        1,
+        dict(FOUR, tied=True),
+    ),
+    "pp2-interleaved-tied": (
+        "llama",
+        dict(pipeline=2, micro_batches=2, schedule="interleaved_1f1b"),
+        1,
+        dict(FOUR, tied=True),
+    ),
+    "pp2-dualpipev": ("llama", dict(pipeline=2, micro_batches=4, schedule="dualpipev"), 1, FOUR),
+    "dp2-zero2": ("llama", dict(zero_stage=2), 2, {}),
+    "ep2": ("deepseek_v3", dict(expert=2), 2, {}),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_trainer_equals_a_plain_single_process_loop(corpus, tmp_path, layout):
-    kind, parallel, dp = LAYOUTS[layout]
+    kind, parallel, dp, shape = LAYOUTS[layout]
     vocab = Tokenizer(str(corpus / "tok")).vocab_size
     model_dir = str(tmp_path / "hf")
-    _save_hf(kind, model_dir, vocab)
+    _save_hf(kind, model_dir, vocab, **shape)
     out = str(tmp_path / "out")
     job = _job(
         corpus,
