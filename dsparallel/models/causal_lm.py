@@ -73,6 +73,11 @@ class CausalLM(nn.Module):
     model_type = ""
     architecture = ""
     defaults: dict = {}
+    aliases: dict = {}  # common config name -> the model's own (read_config)
+    # Checkpoint names of the embedding, the final norm and the LM head.
+    embed_key = "model.embed_tokens.weight"
+    norm_key = "model.norm"
+    head_key = "lm_head.weight"
 
     def __init__(
         self,
@@ -97,7 +102,7 @@ class CausalLM(nn.Module):
                 f"model's dtype is float32, not {dtype} (leave dtype out; dtype={dtype} "
                 "without mixed_precision is pure low precision)"
             )
-        cfg = read_config(config, self.model_type, self.defaults)
+        cfg = read_config(config, self.model_type, self.defaults, self.aliases)
         self.config = cfg
         lay = Layout.of(state)
         self.layout = lay = dataclasses.replace(
@@ -118,7 +123,7 @@ class CausalLM(nn.Module):
         # otherwise the last stage holds a copy (Megatron's), whose
         # gradient allreduce_tied_grads sums with the embedding's.
         self._head_is_embedding = self.tied and self.num_stages == 1
-        embed_key = "model.embed_tokens.weight"
+        embed_key = self.embed_key
         g, r, n = lay.tp_group, lay.tp_rank, lay.tp_size
         self.rotary = self.make_rotary()
         table = self.padded_vocab, hidden
@@ -130,6 +135,7 @@ class CausalLM(nn.Module):
             self.embed_tokens.hf_specs = {"weight": spec}
             if self.padded_vocab != vocab:
                 self.padded_keys["embed_tokens.weight"] = embed_key
+            self.embed_positions = self.make_position_embedding()
         self.stage_layers = {
             s: [str(i) for i in stage_blocks(cfg.num_hidden_layers, s, self.num_stages)]
             for s in self.stage_ids
@@ -143,12 +149,12 @@ class CausalLM(nn.Module):
         self._copies: set[str] = set()
         self._tied_group = None
         if self.is_last:
-            self.norm = RMSNorm(hidden, cfg.rms_norm_eps, "model.norm.weight", lay)
+            self.norm = self.make_norm(self.norm_key)
             if not self._head_is_embedding:
                 self.lm_head = tp.ColumnParallelLinear(
                     hidden, table[0], bias=False, group=g, sequence_parallel=lay.sp, device="meta"
                 )
-                key = embed_key if self.tied else "lm_head.weight"
+                key = embed_key if self.tied else self.head_key
                 spec = padded_rows(key, (vocab, hidden), r, n, self.padded_vocab)
                 self.lm_head.hf_specs = {"weight": spec}
                 if self.padded_vocab != vocab:
@@ -182,6 +188,16 @@ class CausalLM(nn.Module):
 
     def make_rotary(self):
         raise NotImplementedError
+
+    def make_norm(self, key: str) -> nn.Module:
+        """The final norm (checkpoint name ``key``): RMSNorm by default."""
+        cfg = self.config
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, f"{key}.weight", self.layout)
+
+    def make_position_embedding(self) -> nn.Module | None:
+        """Learned position embeddings added to the token embeddings
+        (``module(position_ids)``), or None (rotary positions in attention)."""
+        return None
 
     # ---------------------------------------------------------------- forward
 
@@ -236,7 +252,7 @@ class CausalLM(nn.Module):
                 "multiple of that"
             )
         if lay.pp_size == 1:
-            h = self.run_layers(self.embed(input_ids), position_ids, mask)
+            h = self.run_layers(self.embed(input_ids, position_ids), position_ids, mask)
             return self._output(h, labels, return_logits, num_items_in_batch)
         with torch.no_grad():
             return self._pipelined(
@@ -256,9 +272,11 @@ class CausalLM(nn.Module):
             mask = context_parallel.shard_sequence(attention_mask, group)
         return ids, position_ids, mask
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
         """[batch, seq] ids -> [seq (/tp), batch, hidden], this rank's part
-        of the sequence under sequence parallelism."""
+        of the sequence under sequence parallelism; ``position_ids``
+        ([1 or batch, seq], by default 0..seq-1) for learned position
+        embeddings."""
         vocab = self.config.vocab_size
         if self.padded_vocab != vocab and input_ids.numel() and int(input_ids.max()) >= vocab:
             # The embedding would take ids of its padded rows.
@@ -266,7 +284,12 @@ class CausalLM(nn.Module):
                 f"{type(self).__name__}: token id {int(input_ids.max())} is outside the "
                 f"vocabulary [0, {vocab})"
             )
-        h = self.embed_tokens(input_ids).transpose(0, 1).contiguous()
+        h = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            h = h + self.embed_positions(position_ids)
+        h = h.transpose(0, 1).contiguous()
         if self.layout.sp:
             h = tp.scatter_to_sequence_parallel_region(h, self.layout.tp_group)
         return h
@@ -394,7 +417,7 @@ class CausalLM(nn.Module):
         shape = (local, b, self.config.hidden_size)
 
         def compute(stage, m, x):
-            h = self.embed(x) if stage == 0 else x
+            h = self.embed(x, position_ids) if stage == 0 else x
             h = self.run_layers(h, position_ids, mask, stage)
             if stage < self.num_stages - 1:
                 return h
@@ -419,7 +442,7 @@ class CausalLM(nn.Module):
         vocab]. ``attention_mask=None``: no padding."""
         if stage is None:
             (stage,) = self.stage_ids
-        h = self.embed(x) if stage == 0 else x
+        h = self.embed(x, position_ids) if stage == 0 else x
         mask = cached_mask(attention_mask, h.shape[1], h.shape[0], start)
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
         for index in self.stage_layers[stage]:
@@ -599,10 +622,12 @@ class CausalLM(nn.Module):
 
     def config_dict(self) -> dict:
         values = self.config.to_dict()
+        for common in self.aliases:  # saved under the model's own names only
+            values.pop(common, None)
         values["architectures"] = [self.architecture]
         values["model_type"] = self.model_type
         # The dtype of the tensors saved: float32 masters under mixed precision.
-        stored = next(p.dtype for n, p in self.named_parameters() if "norm" in n)
+        stored = next(p.dtype for p in self.parameters() if not getattr(p, "_dsp_keep_fp32", False))
         values["dtype"] = str(stored).removeprefix("torch.")
         return values
 
@@ -664,6 +689,8 @@ class _Stage(nn.Module):
             self._dsp_mixed_precision = policy
         if self.is_first:
             self.embed_tokens = model.embed_tokens
+            if model.embed_positions is not None:
+                self.embed_positions = model.embed_positions
         self.layers = nn.ModuleDict({n: model.layers[n] for n in model.stage_layers[stage]})
         if self.is_last:
             self.norm = model.norm
@@ -674,13 +701,16 @@ class _Stage(nn.Module):
         m, lay = self.model, self.model.layout
         if self.is_first and lay.cp_size > 1:  # the whole sequences' ids
             x = context_parallel.shard_sequence(x, lay.cp_group)
-        h = m.embed(x) if self.is_first else x
-        seq = h.shape[0] * (lay.tp_size if lay.sp else 1)
-        if lay.cp_size == 1:
-            positions = torch.arange(seq, device=h.device)
+        if self.is_first:
+            seq = x.shape[1]
         else:
-            positions = context_parallel.positions(seq * lay.cp_size, lay.cp_group, h.device)
-        h = m.run_layers(h, positions.unsqueeze(0), None, self.stage)
+            seq = x.shape[0] * (lay.tp_size if lay.sp else 1)
+        if lay.cp_size == 1:
+            positions = torch.arange(seq, device=x.device)[None]
+        else:
+            positions = context_parallel.positions(seq * lay.cp_size, lay.cp_group, x.device)[None]
+        h = m.embed(x, positions) if self.is_first else x
+        h = m.run_layers(h, positions, None, self.stage)
         return m.vocab_parallel_logits(h) if self.is_last else h
 
 

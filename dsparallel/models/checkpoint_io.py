@@ -32,9 +32,10 @@ SINGLE = "model.safetensors"
 
 def model_classes() -> dict:
     from .deepseek_v3 import DeepseekV3
+    from .gpt2 import GPT2
     from .llama import Llama
 
-    return {cls.model_type: cls for cls in (Llama, DeepseekV3)}
+    return {cls.model_type: cls for cls in (Llama, DeepseekV3, GPT2)}
 
 
 def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **kwargs):

@@ -46,9 +46,13 @@ class HFConfig:
         return dict(self._values)
 
 
-def read_config(config, model_type: str, defaults: dict[str, Any]) -> HFConfig:
+def read_config(
+    config, model_type: str, defaults: dict[str, Any], aliases: dict[str, str] | None = None
+) -> HFConfig:
     """``config`` (object, dict or path) as an HFConfig, checked to be of
-    ``model_type``, with ``defaults`` under the keys it leaves out."""
+    ``model_type``, with ``defaults`` under the keys it leaves out;
+    ``aliases``: the common name -> the model's own (GPT-2's ``n_embd``
+    for ``hidden_size``), readable under both."""
     if isinstance(config, (str, os.PathLike)):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else config
         with open(path) as f:
@@ -70,6 +74,9 @@ def read_config(config, model_type: str, defaults: dict[str, Any]) -> HFConfig:
     # means no low-rank q, a null ``pad_token_id`` none): dropping it would
     # let ``transformers`` fill in its own default when it reads what we save.
     values = {**defaults, **config}
+    for common, own in (aliases or {}).items():
+        if own in values and values.get(common) is None:
+            values[common] = values[own]
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     values["rope_parameters"] = rope_parameters(values)

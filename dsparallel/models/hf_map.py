@@ -159,16 +159,18 @@ def specs_of(module: torch.nn.Module) -> dict[str, Node]:
 
 def initial_block(piece: Piece, seed: int, std: float) -> torch.Tensor:
     """The block ``piece`` of the value a freshly built model gives its
-    checkpoint tensor: norm weights ones, DeepSeek's score-correction bias
-    zeros, everything else N(0, std) as ``transformers`` initialises. A
+    checkpoint tensor: norm weights ones, biases (DeepSeek's score-correction
+    bias among them) zeros, everything else N(0, std) as ``transformers``
+    initialises. A
     matrix is drawn row by row, each row from a generator seeded by the
     seed, the name and the row alone, so a rank draws only its own rows (a
     block of columns: each whole row in turn, one at a time, never the
     whole tensor) and every layout builds the same model."""
     key, shape = piece.key, piece.shape
-    if key.endswith("norm.weight"):
-        return torch.ones(piece.block_shape)
-    if key.endswith("e_score_correction_bias"):
+    module = key.rsplit(".", 2)[-2] if "." in key else ""
+    if key.endswith(".weight") and ("norm" in module or module.startswith("ln_")):
+        return torch.ones(piece.block_shape)  # RMSNorm, LayerNorm (GPT-2's ln_*)
+    if key.endswith("bias"):
         return torch.zeros(piece.block_shape)
     base = seed * 1_000_003 + zlib.crc32(key.encode())
     g = torch.Generator().manual_seed(base)

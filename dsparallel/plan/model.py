@@ -82,12 +82,33 @@ def read_model(config) -> Model:
             )
         config = config.to_dict()
     kind = config.get("model_type")
+    if kind == "gpt2":
+        return Model("gpt", _gpt2(config))
     classes = model_classes()
     if kind not in classes:
-        raise ValueError(f"plan: model_type {kind!r} is not one of 'llama', 'deepseek_v3'")
+        raise ValueError(f"plan: model_type {kind!r} is not one of 'llama', 'deepseek_v3', 'gpt2'")
     # The fields a config leaves out take the model's defaults, as they do
     # when the model is built.
     return Model(kind, {**classes[kind].defaults, **config})
+
+
+def _gpt2(config: dict) -> GPTConfig:
+    """A GPT-2 config as the planner's GPT, whose layers are GPT-2's (the
+    planner counts an LM head apart from the embedding, which GPT-2 ties:
+    one vocabulary table too many for a model in one stage)."""
+    from ..models.gpt2 import GPT2
+
+    values = {**GPT2.defaults, **config}
+    ffn = values.get("n_inner")
+    if ffn is not None and ffn != 4 * values["n_embd"]:
+        raise ValueError(f"plan: a GPT-2 with n_inner={ffn} (not 4 x n_embd) is not planned")
+    return GPTConfig(
+        vocab_size=values["vocab_size"],
+        seq_len=values["n_positions"],
+        hidden=values["n_embd"],
+        heads=values["n_head"],
+        layers=values["n_layer"],
+    )
 
 
 def _split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> int:

@@ -24,6 +24,17 @@ BUILTIN = {
         max_position_embeddings=4096,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
+    # GPT-2's layout (learned positions, LayerNorm, GELU, tied LM head).
+    "gpt": dict(
+        model_type="gpt2",
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        n_positions=4096,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     "deepseek_v3": dict(
         model_type="deepseek_v3",
         hidden_size=128,
@@ -62,11 +73,6 @@ def model_config(cfg, vocab_size: int) -> dict | None:
         return None
     if name in BUILTIN:
         values = {**BUILTIN[name], "vocab_size": vocab_size}
-    elif name == "gpt":
-        raise ValueError(
-            "[model] name: the small GPT is not yet a CausalLM the trainer drives "
-            "(examples/train_gpt.py trains it): use llama or deepseek_v3"
-        )
     elif os.path.isfile(name):
         with open(name) as f:
             values = json.load(f)
@@ -100,7 +106,7 @@ def precision(cfg) -> tuple[torch.dtype | None, MixedPrecision | None]:
 
 def build_model(cfg, parallel, state, vocab_size: int, seed: int):
     """This rank's part of the model of ``[model]`` at ``state``'s layout."""
-    from ..models import DeepseekV3, Llama, from_pretrained
+    from ..models import GPT2, DeepseekV3, Llama, from_pretrained
     from .step import stage_layout
 
     dtype, policy = precision(cfg)
@@ -116,7 +122,7 @@ def build_model(cfg, parallel, state, vocab_size: int, seed: int):
     config = model_config(cfg, vocab_size)
     if config is None:
         return from_pretrained(cfg.name, state, dtype=dtype, **kwargs)
-    classes = {"llama": Llama, "deepseek_v3": DeepseekV3}
+    classes = {"llama": Llama, "deepseek_v3": DeepseekV3, "gpt2": GPT2}
     kind = config.get("model_type")
     if kind not in classes:
         raise ValueError(f"[model] {cfg.name}: model_type {kind!r} is not one of {sorted(classes)}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_models import DEEPSEEK, LLAMA, _hf_model
+from test_models import DEEPSEEK, GPT2, LLAMA, _hf_model
 
 NEW = 20
 SAMPLED = 12
@@ -34,7 +34,7 @@ def reference(tmp_path_factory):
     ids = ids.masked_fill(mask == 0, 0)
     ref = {"ids": ids, "mask": mask, "dirs": {}, "greedy": {}, "eos": {}, "stopped": {}}
     ref["plain"] = {}  # prompts without padding: the layers take no mask
-    for i, kind in enumerate(("llama", "deepseek")):
+    for i, kind in enumerate(("llama", "deepseek", "gpt2")):
         torch.manual_seed(20 + i)
         model = _hf_model(kind).float().eval()
         path = str(root / kind)
@@ -137,11 +137,12 @@ def test_generate_equals_transformers_at_every_layout(reference, one_process, tp
                 assert first == single["sampled"][0], f"{where}: differs from tp 1"
             # The cache: this stage's layers, this rank's heads (Llama: 2 kv
             # heads, replicated beyond tp 2), DeepSeek's latent whole.
-            share = (
-                got["layers_here"] / (LLAMA if kind == "llama" else DEEPSEEK)["num_hidden_layers"]
-            )
+            layers = {"llama": LLAMA, "deepseek": DEEPSEEK}.get(kind, {}).get("num_hidden_layers")
+            share = got["layers_here"] / (layers or GPT2["n_layer"])
             if kind == "llama":
                 share /= min(tp, LLAMA["num_key_value_heads"])
+            if kind == "gpt2":  # its heads split over tp
+                share /= tp
             assert got["cache_bytes"] == single["cache_bytes"] * share, where
 
 

@@ -77,7 +77,18 @@ DEEPSEEK = dict(
         mscale_all_dim=1.0,
     ),
 )
-MODELS = {"llama": LLAMA, "llama_tied": LLAMA_TIED, "deepseek": DEEPSEEK}
+# GPT-2 in its own field names; no dropout, so that train mode is eval's maths.
+GPT2 = dict(
+    vocab_size=96,
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    n_positions=64,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+MODELS = {"llama": LLAMA, "llama_tied": LLAMA_TIED, "deepseek": DEEPSEEK, "gpt2": GPT2}
 BATCH, SEQ = 4, 12
 
 
@@ -85,6 +96,8 @@ def _hf_model(kind: str):
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
         LlamaConfig,
         LlamaForCausalLM,
     )
@@ -92,6 +105,8 @@ def _hf_model(kind: str):
     values = {k: v for k, v in MODELS[kind].items() if v is not None}
     if kind == "deepseek":
         return DeepseekV3ForCausalLM(DeepseekV3Config(**values))
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(**values))
     return LlamaForCausalLM(LlamaConfig(**values))
 
 
@@ -348,7 +363,7 @@ def _save_body(rank, world, path, out):
     dsparallel.destroy_parallel()
 
 
-@pytest.mark.parametrize("kind", ["llama_tied", "deepseek"])
+@pytest.mark.parametrize("kind", ["llama_tied", "deepseek", "gpt2"])
 def test_transformers_loads_what_we_save(reference, tmp_path, kind):
     """Saved at tp 2 x pp 2 (two files and an index), loaded by
     ``transformers``: the same logits as the original model."""

@@ -233,6 +233,20 @@ def _save_hf(kind: str, path: str, vocab: int, layers: int = 2, tied: bool = Fal
             tie_word_embeddings=tied,
         )
         LlamaForCausalLM(cfg).save_pretrained(path)
+    elif kind == "gpt2":  # tied, always
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=vocab,
+            n_embd=64,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        GPT2LMHeadModel(cfg).save_pretrained(path)
     else:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -261,8 +275,11 @@ def _plain_loop(corpus, model_dir: str, dp: int):
     tok = Tokenizer(str(corpus / "tok"))
     docs = _documents(corpus)
     streams = [PackedStream(docs, tok, SEQ, r, dp, seed=0) for r in range(dp)]
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    def decays(name, p):  # GPT-2's embeddings are wte and wpe
+        return p.dim() >= 2 and not any(e in name for e in ("embed", "wte", "wpe"))
+
+    decay = [p for n, p in model.named_parameters() if decays(n, p)]
+    other = [p for n, p in model.named_parameters() if not decays(n, p)]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
         lr=LR,
@@ -297,13 +314,9 @@ LAYOUTS = {
     "tp2": ("llama", dict(tensor=2, sequence_parallel=True), 1, {}),
     "pp2-1f1b": ("llama", dict(pipeline=2, micro_batches=2, schedule="1f1b"), 1, {}),
     "pp2-zb1p": ("llama", dict(pipeline=2, micro_batches=2, schedule="zb1p"), 1, {}),
-    # Tied embeddings in a V: both copies on rank 0, summed there.
-    "pp2-zbv-tied": (
-        "llama",
-        dict(pipeline=2, micro_batches=2, schedule="zbv"),
-        1,
-        dict(FOUR, tied=True),
-    ),
+    # GPT-2 (tied embeddings) in a V: both copies on rank 0, summed there.
+    "gpt2-pp2-zbv": ("gpt2", dict(pipeline=2, micro_batches=2, schedule="zbv"), 1, FOUR),
+    "gpt2-tp2-sp": ("gpt2", dict(tensor=2, sequence_parallel=True), 1, {}),
     "pp2-interleaved-tied": (
         "llama",
         dict(pipeline=2, micro_batches=2, schedule="interleaved_1f1b"),
