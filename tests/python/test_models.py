@@ -494,10 +494,10 @@ def test_bad_checkpoints_are_refused_on_every_rank(reference, tmp_path):
     import shutil
 
     ref, _ = reference
-    other = tmp_path / "gpt2"
+    other = tmp_path / "qwen2"
     shutil.copytree(ref["dirs"]["llama"], other)
     cfg = json.load(open(other / "config.json"))
-    json.dump(dict(cfg, model_type="gpt2"), open(other / "config.json", "w"))
+    json.dump(dict(cfg, model_type="qwen2"), open(other / "config.json", "w"))
     # A sharded checkpoint whose index names a file that is not there: the
     # missing part is the last stage's, yet the first stage raises too.
     sharded = tmp_path / "sharded"
@@ -539,7 +539,7 @@ def test_bad_checkpoints_are_refused_on_every_rank(reference, tmp_path):
     first, last = run_ranks(_bad_checkpoints_body, 2, cases, timeout=120)
     for errors in (first, last):
         assert len(errors) == 5, errors
-        assert errors[0].startswith("ValueError") and "'gpt2' model" in errors[0], errors[0]
+        assert errors[0].startswith("ValueError") and "'qwen2' model" in errors[0], errors[0]
         assert errors[1].startswith("FileNotFoundError"), errors[1]
         assert "model-00002-of-00002.safetensors" in errors[1], errors[1]
         assert "gate_proj.weight has shape (96, 64)" in errors[2], errors[2]
