@@ -275,6 +275,7 @@ def _plain_loop(corpus, model_dir: str, dp: int):
     tok = Tokenizer(str(corpus / "tok"))
     docs = _documents(corpus)
     streams = [PackedStream(docs, tok, SEQ, r, dp, seed=0) for r in range(dp)]
+
     def decays(name, p):  # GPT-2's embeddings are wte and wpe
         return p.dim() >= 2 and not any(e in name for e in ("embed", "wte", "wpe"))
 
