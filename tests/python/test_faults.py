@@ -238,15 +238,17 @@ def test_ranks_with_different_layouts_raise_at_once_naming_both_values():
 
 
 def test_random_faults_never_hang_crash_leak_or_give_a_wrong_result():
-    """200 short runs (tests/python/random_faults.py), most with one rank
-    made to raise, stall past the timeout or be killed at a random point."""
+    """200 short runs (tests/python/random_faults.py; DSP_FAULT_RUNS others,
+    as the AddressSanitizer stage runs fewer), most with one rank made to
+    raise, stall past the timeout or be killed at a random point."""
     import json
     import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "random_faults.py")
+    runs = int(os.environ.get("DSP_FAULT_RUNS", "200"))
     done = subprocess.run(
-        [sys.executable, script, "--runs", "200", "--seed", "0"],
+        [sys.executable, script, "--runs", str(runs), "--seed", "0"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -254,7 +256,7 @@ def test_random_faults_never_hang_crash_leak_or_give_a_wrong_result():
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     print({k: v for k, v in counts.items() if k != "details"})
     assert done.returncode == 0, counts
-    assert counts["runs"] == 200 and sum(counts["faults"].values()) > 150, counts
-    assert counts["errors_raised"] > 150 and counts["ops_completed"] > 1000, counts
+    assert counts["runs"] == runs and sum(counts["faults"].values()) > 0.75 * runs, counts
+    assert counts["errors_raised"] > 0.75 * runs and counts["ops_completed"] > 5 * runs, counts
     for bad in ("wrong_results", "hangs", "crashes", "leaks", "unexpected_errors"):
         assert counts[bad] == 0, (bad, counts)
