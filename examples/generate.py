@@ -1,17 +1,17 @@
-"""Generate text with the GPT that examples/train_gpt.py trained, at any
-tensor x pipeline parallel layout (not only the one it was trained at).
+"""Generate text from a Hugging Face checkpoint (Llama, DeepSeek-V3 or
+GPT-2: the trainer's ``[checkpoint] export_hf``, or a downloaded one) at any
+tensor x pipeline parallel layout, not only the one it was trained at.
 
-    torchrun --nproc-per-node 4 examples/train_gpt.py --save ckpt   # tp 2 x pp 2
-    torchrun --nproc-per-node 2 examples/generate.py --load ckpt/model.pt
-    torchrun --nproc-per-node 2 examples/generate.py --load ckpt/model.pt \
+    bash scripts/train.sh                          # writes runs/llama-docs/hf
+    torchrun --nproc-per-node 2 examples/generate.py --model runs/llama-docs/hf
+    torchrun --nproc-per-node 2 examples/generate.py --model runs/llama-docs/hf \
         --tensor-parallel 1 --pipeline-parallel 2 --sample --seed 3
 
-``load_gpt`` builds this rank's stage of the new layout and reads its
-blocks of the one-file checkpoint; ``GPTForGeneration`` runs it over a KV
-cache of its heads; ``dsparallel.inference.generate`` prefills the
-prompts (left padded to one batch) and decodes them together. The model
-reads and writes bytes (a 128-symbol vocabulary), so a prompt is text and
-so is what comes back. Rank 0 prints each prompt and its continuation.
+``from_pretrained`` builds this rank's part of the model and reads its
+blocks of the checkpoint; ``dsparallel.inference.generate`` prefills the
+prompts (left padded to one batch) and decodes them together over a KV
+cache of this rank's heads. The checkpoint's ``tokenizer.json`` turns text
+into ids and back. Rank 0 prints each prompt and its continuation.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
 import dsparallel
 from dsparallel.inference import generate
-from dsparallel.models import GPTForGeneration, load_gpt
+from dsparallel.models import from_pretrained
 
-PROMPTS = ["import torch\n", "def forward(self, x", "The backend "]
+PROMPTS = ["The backend", "Pipeline parallelism", "A checkpoint"]
 
 
-def encode(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(tok: Tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids [batch, longest] and the mask that keeps the text."""
-    codes = [[min(b, 127) for b in p.encode()] for p in prompts]
+    codes = [tok.encode(p).ids for p in prompts]
     width = max(len(c) for c in codes)
     ids = torch.zeros(len(codes), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -43,11 +44,11 @@ def encode(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="model.pt that train_gpt.py --save wrote")
+    p.add_argument("--model", required=True, help="a checkpoint directory with tokenizer.json")
     p.add_argument("--tensor-parallel", type=int, default=2)
     p.add_argument("--pipeline-parallel", type=int, default=1)
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    p.add_argument("--max-new-tokens", type=int, help="default: up to the model's positions")
+    p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=20)
@@ -56,12 +57,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     state = dsparallel.init_parallel(args.tensor_parallel, args.pipeline_parallel)
-    module, cfg = load_gpt(args.load, state)
-    model = GPTForGeneration(module.eval(), cfg, state)
-    ids, mask = encode(args.prompt or PROMPTS)
+    model = from_pretrained(args.model, state).eval()
+    tok = Tokenizer.from_file(f"{args.model}/tokenizer.json")
+    ids, mask = encode(tok, args.prompt or PROMPTS)
     new = args.max_new_tokens
-    if new is None:
-        new = cfg.seq_len - ids.shape[1]
     sampling = {}
     if args.sample:
         sampling = dict(
@@ -74,13 +73,14 @@ def main() -> None:
     out = generate(model, ids, attention_mask=mask, max_new_tokens=new, **sampling)
     elapsed = time.perf_counter() - t0
     if dist.get_rank() == 0:
+        cfg = model.config
         print(
-            f"GPT {cfg.layers} layers x {cfg.hidden} hidden at tp {state.tp_size} x pp "
-            f"{state.pp_size}: {ids.shape[0]} prompts, {new} new tokens each in {elapsed:.2f} s"
+            f"{model.model_type} {cfg.num_hidden_layers} layers x {cfg.hidden_size} hidden at "
+            f"tp {state.tp_size} x pp {state.pp_size}: {ids.shape[0]} prompts, {new} new "
+            f"tokens each in {elapsed:.2f} s"
         )
         for row, keep in zip(out, torch.cat([mask, torch.ones(len(mask), new)], 1).bool()):
-            text = bytes(row[keep].tolist()).decode(errors="replace")
-            print("-" * 40 + "\n" + text)
+            print("-" * 40 + "\n" + tok.decode(row[keep].tolist()))
     dsparallel.destroy_parallel()
 
 

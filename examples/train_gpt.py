@@ -4,7 +4,6 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --tensor-parallel 2 --pipeline-parallel 1
     torchrun --nproc-per-node 4 examples/train_gpt.py --save ckpt --steps 100
     torchrun --nproc-per-node 4 examples/train_gpt.py --resume ckpt --steps 200
-    torchrun --nproc-per-node 2 examples/generate.py --load ckpt/model.pt  # any layout
 
 ``dsparallel.init_parallel`` lays the ranks out as (pp, dp, tp). Each rank
 builds only its pipeline stage's layers (two stages for interleaved_1f1b,
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import dsparallel
-from dsparallel.models import GPTConfig, build_stage, gpt_loss, save_gpt
+from dsparallel.models import GPTConfig, build_stage, gpt_loss
 from dsparallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
@@ -110,9 +109,6 @@ def save(path, rank, state, cfg, step, module, opt, history):
     if rank == 0:
         with open(os.path.join(path, "layout.json"), "w") as f:
             json.dump({"layout": layout_of(state), "config": asdict(cfg), "step": step}, f)
-    if not cfg.moe_experts:
-        # The weights alone, in one file any layout loads (examples/generate.py).
-        save_gpt(os.path.join(path, "model.pt"), module, cfg, state)
 
 
 def saved_rank(layout: dict, pp: int, dp: int, tp: int) -> int:

@@ -1,5 +1,5 @@
 """Inference: ``generate`` with a KV cache, under tensor and pipeline
-parallelism, for ``dsparallel.models``' Llama, DeepSeek-V3 and GPT (``GPTForGeneration``)."""
+parallelism, for ``dsparallel.models``' Llama, DeepSeek-V3 and GPT-2."""
 
 from .generate import generate
 from .kv_cache import KVCache

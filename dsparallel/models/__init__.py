@@ -7,8 +7,6 @@ from .checkpoint_io import from_pretrained
 from .deepseek_v3 import DeepseekV3
 from .gpt import GPTConfig, build_stage, gpt_loss, stage_blocks
 from .gpt2 import GPT2
-from .gpt_checkpoint import load_gpt, save_gpt
-from .gpt_generation import GPTForGeneration
 from .llama import Llama
 
 __all__ = [
@@ -16,12 +14,9 @@ __all__ = [
     "DeepseekV3",
     "GPT2",
     "GPTConfig",
-    "GPTForGeneration",
     "Llama",
     "build_stage",
     "from_pretrained",
     "gpt_loss",
-    "load_gpt",
-    "save_gpt",
     "stage_blocks",
 ]

@@ -18,8 +18,10 @@ experts split over init_parallel's expert-parallel group.
 
 Every dense parameter states, next to the layer that holds it, where it
 lies in the whole one-process model (``hf_specs``, as the Hugging Face
-models do): ``gpt_checkpoint`` saves a trained model from any layout into
-one layout-free file and loads it into any other.
+models do), so that a layout's pieces can be put back together and held
+against one process. This is the lecture's GPT, built stage by stage by
+hand; the GPT the trainer, ``from_pretrained`` and ``generate`` know is
+``GPT2``, a ``CausalLM`` like Llama and DeepSeek-V3.
 """
 
 from __future__ import annotations

@@ -75,7 +75,11 @@ def read_config(
     # let ``transformers`` fill in its own default when it reads what we save.
     values = {**defaults, **config}
     for common, own in (aliases or {}).items():
-        if own in values and values.get(common) is None:
+        # The common name, where given, wins (a job's override over a
+        # built-in config, as transformers' attribute_map sets the own one).
+        if values.get(common) is not None:
+            values[own] = values[common]
+        elif own in values:
             values[common] = values[own]
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]

@@ -15,6 +15,7 @@ the uninterrupted run would have.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 
@@ -123,6 +124,7 @@ class Tokenizer:
     ``tokenizer_config.json``, the model's ``config.json`` or the usual
     token names."""
 
+    FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
     END_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
     BEGIN_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 
@@ -135,8 +137,12 @@ class Tokenizer:
                 f"[data] tokenizer: {path} does not exist (a directory with tokenizer.json: "
                 "set [data] tokenizer, or train one with python -m dsparallel.train.tokenizer)"
             )
-        self.path = path
+        self.path, self.directory = path, directory
         self.fast = Fast.from_file(path)
+        with open(path) as f:  # what a checkpoint records of it (not of its formatting)
+            canonical = json.dumps(json.load(f), sort_keys=True).encode()
+        digest = hashlib.sha256(canonical).digest()
+        self.fingerprint = int.from_bytes(digest[:8], "little", signed=True)
         self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
         settings = _read_json(os.path.join(directory, "tokenizer_config.json"))
         config = _read_json(os.path.join(directory, "config.json"))
@@ -151,6 +157,16 @@ class Tokenizer:
             )
         bos = self._special(settings.get("bos_token"), config.get("bos_token_id"))
         self.bos_id = bos if bos is not None else self._named(self.BEGIN_NAMES)
+
+    def copy_to(self, directory: str) -> None:
+        """Its files into ``directory`` (beside an exported checkpoint), so
+        that the checkpoint brings its tokenizer."""
+        import shutil
+
+        for name in self.FILES:
+            source = os.path.join(self.directory, name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(directory, name))
 
     def _special(self, token, token_id) -> int | None:
         if isinstance(token, dict):

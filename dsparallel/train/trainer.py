@@ -269,6 +269,7 @@ class Trainer:
         return {
             "train.step": torch.tensor(step, dtype=torch.int64),
             "train.dp_size": torch.tensor(s.dp_size, dtype=torch.int64),
+            "train.tokenizer": torch.tensor(self.tokenizer.fingerprint, dtype=torch.int64),
             f"train.data.{s.dp_rank}": self.train_stream.state(),
         }
 
@@ -289,7 +290,18 @@ class Trainer:
         if same_dp:
             extra["train.dp_size"] = torch.zeros((), dtype=torch.int64)
             extra[data_key] = torch.zeros(3, dtype=torch.int64)
+        if "extra.train.tokenizer" in saved:
+            extra["train.tokenizer"] = torch.zeros((), dtype=torch.int64)
         dsparallel.load_checkpoint(path, self.model, self.opt, extra=extra)
+        tokenizer = extra.get("train.tokenizer")
+        if tokenizer is not None and int(tokenizer) != self.tokenizer.fingerprint:
+            # The same ids would mean other text: the model would train (and
+            # evaluate) on what it never learned.
+            raise ValueError(
+                f"resume: {path} was trained with another tokenizer than "
+                f"{self.tokenizer.path} (its tokenizer.json differs): resume with the one it "
+                'was trained with, or start afresh ([checkpoint] resume = "none" or another dir)'
+            )
         same_dp = same_dp and int(extra["train.dp_size"]) == self.state.dp_size
         if same_dp:
             self.train_stream.load_state(extra[data_key])
@@ -376,6 +388,8 @@ class Trainer:
         self._finish_pending(wait=True)
         if ck.export_hf:
             self.model.save_pretrained(ck.export_hf)
+            if self.rank == 0:  # a whole checkpoint: the tokenizer beside the weights
+                self.tokenizer.copy_to(ck.export_hf)
         self.metrics.plot(self.history)
         self.metrics.close()
         return self.history

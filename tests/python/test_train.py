@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,34 @@ def test_a_malformed_jsonl_line_is_named_on_every_rank(corpus, tmp_path, line, n
     path.write_text('{"text": "one"}\n{"text": "two"}\n' + line + "\n")
     errors = run_ranks(_malformed, 2, str(path), str(corpus / "tok"))
     assert all(e is not None and needle in e for e in errors), errors
+
+
+def _fit_or_error(rank, world, job):
+    from dsparallel.train import Trainer
+
+    try:
+        Trainer(job).fit()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_resuming_with_another_tokenizer_is_refused_on_every_rank(corpus, tmp_path):
+    """The same ids would be other text: a checkpoint records its tokenizer."""
+    tok = tmp_path / "tok"
+    shutil.copytree(corpus / "tok", tok)
+    job = _job(corpus, model=TINY, checkpoint=dict(dir=str(tmp_path / "ck"), every=2))
+    job["data"]["tokenizer"] = str(tok)
+    job["train"]["steps"] = 2
+    assert run_ranks(_fit_or_error, 2, job) == [None, None]
+    spec = json.loads((tok / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]  # the same size, two tokens' ids swapped
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tok / "tokenizer.json").write_text(json.dumps(spec))
+    job["train"]["steps"] = 4
+    errors = run_ranks(_fit_or_error, 2, job)
+    assert all(e is not None and "another tokenizer" in e for e in errors), errors
 
 
 # ------------------------------------------------ the trainer against a plain loop
