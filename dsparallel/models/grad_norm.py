@@ -41,7 +41,11 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, optimizer=No
     norm_type = float(norm_type)
     inf = norm_type == float("inf")
     weights = _weights(model)
-    held = optimizer.owned_grads() if isinstance(optimizer, ZeroRedundancyOptimizer) else {}
+    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
+    held = optimizer.owned_grads() if zero else {}
+    # What ZeRO shards: counted from the owners' slices only (under stage 1
+    # every rank still holds the whole .grad, which must not count again).
+    sharded = {id(p) for g in optimizer.param_groups for p in g["params"]} if zero else set()
     # Whole tensors of one weight go through torch's per-tensor norm kernel
     # (as torch.nn.utils.clip_grad_norm_ computes them), one call per
     # weight; tensors whose blocks weigh differently, element by element.
@@ -53,7 +57,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, optimizer=No
         w = weights[name]
         if id(p) in held:  # ZeRO: this rank's slices, (a, b) of the flat parameter
             parts = [(g, _slice(w, a, b)) for (a, b), g in held[id(p)]]
-        elif p.grad is None:
+        elif id(p) in sharded or p.grad is None:  # other ranks' slices, or no gradient
             continue
         elif hasattr(p.grad, "to_local"):  # FSDP2: this rank's shard
             parts = [(p.grad.to_local(), w)]
@@ -87,7 +91,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, optimizer=No
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if zero:
             optimizer.scale_grad_shards_(coef)
     # In the gradients' dtype, as torch's (float32 under mixed precision).
     return total.to(next(p.dtype for p in model.parameters() if p.is_floating_point()))

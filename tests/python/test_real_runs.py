@@ -297,6 +297,8 @@ CLIPS = [
     ("tied", 1, 2, 2),
     ("llama", 4, 1, 0),
     ("llama", 2, 1, 2),
+    # ZeRO-1 at dp 4: every rank keeps every whole .grad, and counts only its slices
+    ("llama", 1, 1, 1),
 ]
 
 
