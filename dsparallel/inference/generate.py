@@ -13,10 +13,11 @@ tensor-parallel group, or the caller's generator seeded alike on every
 rank), so every rank draws the same token without another message.
 
 Under pipeline parallelism the batch is split into one micro-batch per
-stage (at most one per sequence), all in flight: while the last stage
-samples micro-batch m, the first already runs m + 1. The last stage sends
-each micro-batch's tokens back to the first for its next step, and the
-whole output to every stage at the end. The pipeline runs all
+pipeline rank (at most one per sequence), all in flight through the
+model's stages (``models.forward_stages``, whatever their placement):
+while the last stage samples micro-batch m, the first already runs m + 1.
+The last stage's rank sends each micro-batch's tokens back to the first
+stage's for its next step, and the whole output to every rank at the end. The pipeline runs all
 ``max_new_tokens`` steps (finished sequences are padded, as
 ``transformers`` does), and the output is cut where every sequence had
 finished, as ``transformers``' early stop leaves it.
