@@ -30,7 +30,7 @@ from torch import nn
 from .. import tensor_parallel as tp
 from .causal_lm import CausalLM
 from .hf_map import Cat, Piece, cols, rows, whole
-from .layers import Layout, attend, check_split
+from .layers import Layout, attend, cached_kv, check_split, new_kv_slot
 
 ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -123,18 +123,14 @@ class GPT2Attention(_Projections):
             self.scale /= index + 1
 
     def new_cache(self, batch: int, length: int, dtype) -> dict:
-        shape = (batch, self.heads, length, self.head_dim)
-        return {"k": torch.empty(shape, dtype=dtype), "v": torch.empty(shape, dtype=dtype)}
+        return new_kv_slot(batch, self.heads, length, self.head_dim, dtype)
 
     def forward(self, x, mask, cache=None):
         qkv = self.up(x)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         if cache is not None:
-            slot, start = cache
-            slot["k"][:, :, start : start + s] = k
-            slot["v"][:, :, start : start + s] = v
-            k, v = slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
+            k, v = cached_kv(k, v, cache)
         out = attend(q, k, v, mask, self.layout, scale=self.scale)
         return self.down(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 

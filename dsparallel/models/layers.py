@@ -148,6 +148,24 @@ def attend(q, k, v, mask, layout: Layout, scale: float | None = None) -> torch.T
     )
 
 
+def new_kv_slot(batch: int, heads: int, length: int, dim: int, dtype) -> dict:
+    """A layer's KV cache: keys and values of ``heads`` heads at ``length``
+    positions for ``batch`` sequences."""
+    shape = (batch, heads, length, dim)
+    return {"k": torch.empty(shape, dtype=dtype), "v": torch.empty(shape, dtype=dtype)}
+
+
+def cached_kv(k: torch.Tensor, v: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes k, v [batch, heads, s, dim] of queries from position
+    ``start`` into the cache (``cache`` = (slot, start)); returns every key
+    and value so far."""
+    slot, start = cache
+    s = k.shape[2]
+    slot["k"][:, :, start : start + s] = k
+    slot["v"][:, :, start : start + s] = v
+    return slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
+
+
 def check_split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> None:
     if value % size:
         raise ValueError(f"{what}={value} is not divisible by the {over} {size}")

@@ -27,7 +27,7 @@ from .. import tensor_parallel as tp
 from .causal_lm import CausalLM
 from .hf_config import rope_frequencies
 from .hf_map import Cat, cols, rows, whole
-from .layers import Layout, RMSNorm, Rotary, SwiGLU, attend, check_split
+from .layers import Layout, RMSNorm, Rotary, SwiGLU, attend, cached_kv, check_split, new_kv_slot
 
 
 class LlamaAttention(nn.Module):
@@ -86,8 +86,7 @@ class LlamaAttention(nn.Module):
     def new_cache(self, batch: int, length: int, dtype) -> dict:
         """This rank's keys and values of ``length`` positions: its heads."""
         heads = 1 if self.replicated else self.kv_heads // self.layout.tp_size
-        shape = (batch, heads, length, self.head_dim)
-        return {"k": torch.empty(shape, dtype=dtype), "v": torch.empty(shape, dtype=dtype)}
+        return new_kv_slot(batch, heads, length, self.head_dim, dtype)
 
     def forward(self, x, cos, sin, mask, cache=None):
         """x [seq (/tp under sequence parallelism), batch, hidden]; ``cache``
@@ -105,10 +104,7 @@ class LlamaAttention(nn.Module):
         k, v = F.linear(x, w).view(s, b, 2, -1, d).permute(2, 1, 3, 0, 4).unbind(0)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         if cache is not None:
-            slot, start = cache
-            slot["k"][:, :, start : start + s] = k
-            slot["v"][:, :, start : start + s] = v
-            k, v = slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
+            k, v = cached_kv(k, v, cache)
         out = attend(q, k, v, mask, lay)
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_models import DEEPSEEK
+from test_models import DEEPSEEK, GPT2
 
 from dsparallel.train import config as train_config
 from dsparallel.train.data import PackedStream, Tokenizer, load_documents
@@ -265,16 +265,7 @@ def _save_hf(kind: str, path: str, vocab: int, layers: int = 2, tied: bool = Fal
     elif kind == "gpt2":  # tied, always
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(
-            vocab_size=vocab,
-            n_embd=64,
-            n_layer=layers,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
+        cfg = GPT2Config(**{**GPT2, "vocab_size": vocab, "n_layer": layers})
         GPT2LMHeadModel(cfg).save_pretrained(path)
     else:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
