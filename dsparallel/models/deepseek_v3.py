@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import tensor_parallel as tp
-from ..moe.ops import Plan, combine, dispatch
+from ..moe.ops import Plan, combine, dispatch, grouped_mlp
 from .causal_lm import CausalLM
 from .hf_config import rope_frequencies, softmax_scale
 from .hf_map import Cat, Stack, cols, rows, whole
@@ -246,18 +246,10 @@ class Experts(nn.Module):
 
     def forward(self, rows_: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
         """``rows_`` in blocks of ``chunks`` [(local expert, rows), ...]."""
-        parts = rows_.split([c for _, c in chunks])
         # Under sequence parallelism the tensor-parallel ranks route
         # different tokens through the same experts: their gradients add.
         gate_up, down = self.layout.shared(self.gate_up), self.layout.shared(self.down)
-        # unbind, not gate_up[e]: each index's backward would fill and add a
-        # zero gradient of the whole stack, once per expert.
-        gate_up, down = gate_up.unbind(0), down.unbind(0)
-        out = []
-        for (e, _), part in zip(chunks, parts):
-            gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
-            out.append(F.linear(F.silu(gate) * up, down[e]))
-        return torch.cat(out) if out else rows_
+        return grouped_mlp(rows_, gate_up, down, chunks, "swiglu", transposed=True)
 
 
 class DeepseekMoE(nn.Module):

@@ -17,10 +17,9 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from .ops import Plan, combine, dispatch
+from .ops import Plan, combine, dispatch, grouped_mlp
 from .router import TopKRouter
 
 
@@ -47,12 +46,7 @@ class GroupedExperts(nn.Module):
         """``rows`` in blocks of ``chunks`` [(local expert, rows), ...]; every
         expert appears at least once (empty blocks too), so each gets a
         gradient."""
-        parts = rows.split([n for _, n in chunks])
-        # unbind, not w1[e]: each index's backward would fill and add a zero
-        # gradient of the whole stack, once per expert.
-        w1, w2 = self.w1.unbind(0), self.w2.unbind(0)
-        out = [F.gelu(part @ w1[e]) @ w2[e] for (e, _), part in zip(chunks, parts)]
-        return torch.cat(out) if out else rows
+        return grouped_mlp(rows, self.w1, self.w2, chunks, "gelu")
 
 
 class _AddAuxLossGrad(torch.autograd.Function):

@@ -1,5 +1,6 @@
-"""Typed wrappers over the C++ dispatch and combine ops (see
-``csrc/ops/moe_dispatch.cpp``) and their fake kernels."""
+"""Typed wrappers over the C++ dispatch, combine and grouped-expert ops
+(``csrc/ops/moe_dispatch.cpp``, ``csrc/ops/grouped_mlp.cpp``) and their
+fake kernels."""
 
 from __future__ import annotations
 
@@ -43,6 +44,40 @@ def _combine_forward_fake(y, weights, order, send_counts, recv_counts, group_nam
 @torch.library.register_fake("dsparallel::_moe_combine_backward")
 def _combine_backward_fake(grad, back, weights, order, send_counts, recv_counts, num_rows, g):
     return grad.new_empty(num_rows, grad.shape[1]), weights.new_empty(weights.shape)
+
+
+@torch.library.register_fake("dsparallel::grouped_mlp")
+def _grouped_mlp_fake(x, w1, w2, experts, rows, activation, transposed=False):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("dsparallel::_grouped_mlp_forward")
+def _grouped_mlp_forward_fake(x, w1, w2, experts, rows, activation, transposed):
+    width = w1.shape[1] if transposed else w1.shape[2]
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], width)
+
+
+@torch.library.register_fake("dsparallel::_grouped_mlp_backward")
+def _grouped_mlp_backward_fake(grad, x, w1, w2, h, experts, rows, activation, transposed):
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    activation: str,
+    transposed: bool = False,
+) -> torch.Tensor:
+    """``x``'s blocks of ``chunks`` [(local expert, rows), ...] each through
+    its expert, ``act(block @ w1[e]) @ w2[e]``, in one C++ op:
+    ``activation`` "gelu" or "swiglu" (w1's columns: gate, then up);
+    ``transposed`` weights are stored as ``nn.Linear`` holds them
+    ([experts, out, in])."""
+    experts = [e for e, _ in chunks]
+    rows = [n for _, n in chunks]
+    return _ops.grouped_mlp(x, w1, w2, experts, rows, activation, transposed)
 
 
 class Plan:
