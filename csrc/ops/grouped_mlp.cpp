@@ -80,8 +80,8 @@ std::vector<int64_t> checkedOffsets(const at::Tensor& x, const at::Tensor& w1,
               ": weights ", w1.sizes(), " and ", w2.sizes(), " do not fit x ", x.sizes(),
               " (transposed=", transposed, ", w2 should be ", at::IntArrayRef(w2_shape),
               ")");
-  TORCH_CHECK(experts.size() == rows.size(), kOp, ": ", experts.size(),
-              " experts for ", rows.size(), " blocks of rows");
+  TORCH_CHECK(experts.size() == rows.size(), kOp, ": ", experts.size(), " experts for ",
+              rows.size(), " blocks of rows");
   std::vector<int64_t> offsets{0};
   for (size_t i = 0; i < rows.size(); ++i) {
     TORCH_CHECK(experts[i] >= 0 && experts[i] < local, kOp, ": block ", i,
@@ -122,7 +122,8 @@ void addTransposedMm(at::Tensor acc, const at::Tensor& a, const at::Tensor& b) {
   const int64_t m = a.size(0);
   const int64_t whole = cutRows(a) ? m / kRowQuantum * kRowQuantum : m;
   if (whole > 0) acc.addmm_(a.narrow(0, 0, whole).t(), b.narrow(0, 0, whole));
-  if (whole < m) acc.addmm_(a.narrow(0, whole, m - whole).t(), b.narrow(0, whole, m - whole));
+  if (whole < m)
+    acc.addmm_(a.narrow(0, whole, m - whole).t(), b.narrow(0, whole, m - whole));
 }
 
 at::Tensor activate(const at::Tensor& h, Act act) {
@@ -141,12 +142,10 @@ at::Tensor activationBackward(const at::Tensor& grad, const at::Tensor& h, Act a
 }
 
 // Returns (y, h): h is every row's pre-activation, kept for backward.
-std::tuple<at::Tensor, at::Tensor> forwardKernel(const at::Tensor& x, const at::Tensor& w1,
-                                                 const at::Tensor& w2,
-                                                 at::IntArrayRef experts,
-                                                 at::IntArrayRef rows,
-                                                 c10::string_view activation,
-                                                 bool transposed) {
+std::tuple<at::Tensor, at::Tensor> forwardKernel(
+    const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+    at::IntArrayRef experts, at::IntArrayRef rows, c10::string_view activation,
+    bool transposed) {
   const Act act = parseActivation(activation);
   const auto off = checkedOffsets(x, w1, w2, experts, rows, act, transposed);
   const int64_t width = transposed ? w1.size(1) : w1.size(2);
@@ -214,10 +213,10 @@ c10::TypedOperatorHandle<Sig> handle(const char* name) {
 
 class GroupedMlpFunction : public torch::autograd::Function<GroupedMlpFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
-                            const at::Tensor& w2, std::vector<int64_t> experts,
-                            std::vector<int64_t> rows, std::string activation,
-                            bool transposed) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w1, const at::Tensor& w2,
+                            std::vector<int64_t> experts, std::vector<int64_t> rows,
+                            std::string activation, bool transposed) {
     at::AutoDispatchBelowADInplaceOrView below;
     static auto op = handle<decltype(forwardKernel)>("dsparallel::_grouped_mlp_forward");
     auto [y, h] = op.call(x, w1, w2, experts, rows, activation, transposed);
@@ -233,12 +232,13 @@ class GroupedMlpFunction : public torch::autograd::Function<GroupedMlpFunction> 
     auto s = ctx->get_saved_variables();
     variable_list out(7);
     if (!grads[0].defined()) return out;
-    static auto op = handle<decltype(backwardKernel)>("dsparallel::_grouped_mlp_backward");
-    auto [gx, gw1, gw2] =
-        op.call(grads[0], s[0], s[1], s[2], s[3], ctx->saved_data["experts"].toIntVector(),
-                ctx->saved_data["rows"].toIntVector(),
-                ctx->saved_data["activation"].toStringRef(),
-                ctx->saved_data["transposed"].toBool());
+    static auto op =
+        handle<decltype(backwardKernel)>("dsparallel::_grouped_mlp_backward");
+    auto [gx, gw1, gw2] = op.call(grads[0], s[0], s[1], s[2], s[3],
+                                  ctx->saved_data["experts"].toIntVector(),
+                                  ctx->saved_data["rows"].toIntVector(),
+                                  ctx->saved_data["activation"].toStringRef(),
+                                  ctx->saved_data["transposed"].toBool());
     out[0] = gx;
     out[1] = gw1;
     out[2] = gw2;
