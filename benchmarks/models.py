@@ -268,11 +268,11 @@ BEST = {
 BF16_BASELINE = {"gradient_as_bucket_view": True, "static_graph": True}
 
 
-def _dtype_rows(paths, args) -> list[dict]:
+def _dtype_rows(paths, args, fused_options=(False, True)) -> list[dict]:
     rows = []
     for kind in ("llama", "deepseek"):
         experts = "grouped_mm" if kind == "deepseek" else None
-        for fused in (False, True):
+        for fused in fused_options:
             adamw = "fused AdamW" if fused else "AdamW"
             name = f"transformers + torch DDP/gloo, autocast bf16, {adamw}"
             r = run_ranks(
@@ -281,6 +281,7 @@ def _dtype_rows(paths, args) -> list[dict]:
             rows.append(
                 {
                     "model": kind,
+                    "seq": args["seq"],
                     "system": "baseline",
                     "precision": "autocast bf16",
                     "fused": fused,
@@ -294,11 +295,12 @@ def _dtype_rows(paths, args) -> list[dict]:
         if 4 // (tp * pp) > 1:  # data parallel reduces the gradients
             precisions.insert(2, "mixed bf16, bf16 reduce")
         for precision in precisions:
-            for fused in (False, True):
+            for fused in fused_options:
                 r = run_ranks(_ours, 4, kind, tp, pp, ep, sp, paths[kind], args, precision, fused)
                 rows.append(
                     {
                         "model": kind,
+                        "seq": args["seq"],
                         "system": "dsparallel",
                         "precision": precision,
                         "fused": fused,
@@ -317,6 +319,12 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     ap.add_argument(
+        "--dtype-long-seq",
+        type=int,
+        default=256,
+        help="the dtype axis again at this sequence length (fused AdamW only; 0: not)",
+    )
+    ap.add_argument(
         "--part",
         choices=["layouts", "dtype", "all"],
         default="all",
@@ -329,6 +337,11 @@ def main():
         paths = _save_checkpoints(root)
         if a.part in ("dtype", "all"):
             dtype_rows = _dtype_rows(paths, args)
+            if a.dtype_long_seq:
+                # More tokens per step: the optimizer step and the casts,
+                # per parameter, weigh less against the per-token compute.
+                long = dict(args, seq=a.dtype_long_seq)
+                dtype_rows += _dtype_rows(paths, long, fused_options=(True,))
             config = {**vars(a), "llama": LLAMA, "deepseek": DEEPSEEK}
             save("models_dtype", dtype_rows, config)
             _print_dtype(dtype_rows)
@@ -397,7 +410,8 @@ def _print_dtype(rows) -> None:
             t = r["tokens_per_s"]
             adamw = "fused" if r["fused"] else "foreach"
             print(
-                f"  {r['system']:>10} {r['precision']:<14} {adamw:<8} {t['median']:7.0f} "
+                f"  seq {r.get('seq', '')} {r['system']:>10} {r['precision']:<14} {adamw:<8} "
+                f"{t['median']:7.0f} "
                 f"[{t['min']:.0f}-{t['max']:.0f}] {r['peak_rss_mb']:7.0f}"
             )
 

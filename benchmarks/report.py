@@ -729,10 +729,13 @@ def _core_latency(r):
 
 def _models_dtype(r):
     cfg = r["config"]
+    seqs = sorted({x.get("seq", cfg["seq"]) for x in r["rows"]})
     lines = [
         "The same models at one fast float32 layout each (Llama: tp 4 with sequence",
         "parallelism; DeepSeek-V3: dp 4, ep 4), global batch",
-        f"{cfg['batch']} x {cfg['seq']} tokens: float32, bf16 mixed precision",
+        f"{cfg['batch']} sequences of {' and of '.join(map(str, seqs))} tokens"
+        + (" (the longer with fused AdamW only)" if len(seqs) > 1 else "")
+        + ": float32, bf16 mixed precision",
         "(`dsparallel.MixedPrecision()`: float32 masters, gradients and AdamW state) and",
         'pure bf16, against `transformers` under `torch.autocast("cpu", bfloat16)` over',
         "torch's DDP/gloo (bucket views, static graph; DeepSeek-V3 with grouped_mm",
@@ -740,8 +743,8 @@ def _models_dtype(r):
         "float32 with the same AdamW, and against the best `transformers` bf16 row.",
         "",
     ]
-    for kind in ("llama", "deepseek"):
-        rows = [x for x in r["rows"] if x["model"] == kind]
+    for kind, seq in ((k, q) for k in ("llama", "deepseek") for q in seqs):
+        rows = [x for x in r["rows"] if x["model"] == kind and x.get("seq", cfg["seq"]) == seq]
         base = _fastest_baseline(rows)
         fp32 = {
             x["fused"]: x["tokens_per_s"]
@@ -760,7 +763,7 @@ def _models_dtype(r):
             ]
             for x in rows
         ]
-        lines += [f"**{kind}**", ""]
+        lines += [f"**{kind}, {cfg['batch']} x {seq} tokens a step**", ""]
         lines += table(
             [
                 "system",

@@ -22,6 +22,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from . import fp8
 from .agreement import raise_if_any_failed
 from .hf_map import Piece
 
@@ -49,6 +50,10 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
         raise FileNotFoundError(f"from_pretrained: {config_file} does not exist")
     with open(config_file) as f:
         config = json.load(f)
+    # A block-quantized fp8 checkpoint loads dequantized: the model it makes
+    # is not quantized, and its saved config must not say it is.
+    block = fp8.block_size(config, path)
+    config.pop("quantization_config", None)
     classes = model_classes()
     kind = config.get("model_type")
     if kind not in classes:
@@ -68,9 +73,9 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
     elif dtype is None:
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
     model = classes[kind](config, state, dtype=dtype, _initialize=False, **kwargs)
-    reader = _Reader(path, weight_map)
+    reader = _Reader(path, weight_map, block)
     try:
-        used, error = model.load_hf(reader.read), None
+        used, error = model.load_hf(reader.read) | reader.scales_read, None
     except Exception as e:  # a corrupt file too (safetensors' error): every rank learns of it
         used, error = set(), e
     _agree(model, weight_map, used, error, path)
@@ -92,30 +97,51 @@ def _weight_map(path: str) -> dict[str, str]:
 
 
 class _Reader:
-    """Blocks of checkpoint tensors, each read through its slice."""
+    """Blocks of checkpoint tensors, each read through its slice; fp8
+    blocks dequantized with the scales of ``block`` (``fp8.py``)."""
 
-    def __init__(self, path: str, weight_map: dict[str, str]):
-        self.path, self.weight_map, self.files = path, weight_map, {}
+    def __init__(self, path: str, weight_map: dict[str, str], block=None):
+        self.path, self.weight_map, self.block, self.files = path, weight_map, block, {}
+        self.scales_read: set[str] = set()
+
+    def _file(self, key: str):
+        name = self.weight_map.get(key)
+        if name is None:
+            raise KeyError(f"from_pretrained: the checkpoint in {self.path} lacks {key}")
+        if name not in self.files:
+            from safetensors import safe_open
+
+            self.files[name] = safe_open(os.path.join(self.path, name), "pt")
+        return self.files[name]
 
     def read(self, piece: Piece) -> torch.Tensor:
-        from safetensors import safe_open
-
-        name = self.weight_map.get(piece.key)
-        if name is None:
-            raise KeyError(f"from_pretrained: the checkpoint in {self.path} lacks {piece.key}")
-        if name not in self.files:
-            self.files[name] = safe_open(os.path.join(self.path, name), "pt")
-        sl = self.files[name].get_slice(piece.key)
+        f = self._file(piece.key)
+        sl = f.get_slice(piece.key)
         shape = tuple(sl.get_shape())
         if shape != piece.shape:
             raise ValueError(
                 f"from_pretrained: {piece.key} has shape {shape} in the checkpoint, the config "
                 f"gives {piece.shape}"
             )
-        if piece.dim is None:
-            return self.files[name].get_tensor(piece.key)
         end = piece.start + piece.length
-        return sl[piece.start : end] if piece.dim == 0 else sl[:, piece.start : end]
+        if piece.dim is None:
+            block = f.get_tensor(piece.key)
+        else:
+            block = sl[piece.start : end] if piece.dim == 0 else sl[:, piece.start : end]
+        if block.dtype not in fp8.FP8:
+            return block
+        scale_key = piece.key + fp8.SCALE_SUFFIX
+        if self.block is None or scale_key not in self.weight_map:
+            why = (
+                "the config has no quantization_config"
+                if self.block is None
+                else f"the checkpoint lacks {scale_key}"
+            )
+            raise ValueError(
+                f"from_pretrained: {piece.key} is {block.dtype}, but {why}: its scales are unknown"
+            )
+        self.scales_read.add(scale_key)
+        return fp8.dequantize(block, piece, self._file(scale_key).get_slice(scale_key), self.block)
 
 
 def _agree(model, weight_map, used, error, path) -> None:

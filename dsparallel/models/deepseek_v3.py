@@ -32,6 +32,7 @@ parallelism: every rank of a tensor-parallel group routes the same tokens
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -176,11 +177,20 @@ class MLA(nn.Module):
 class Router(nn.Module):
     """DeepSeek-V3's group-limited top-k router (see the module docstring);
     the weight and the correction bias stay float32 whatever the model's
-    dtype, as in ``transformers``."""
+    dtype, as in ``transformers``.
+
+    Training counts the tokens each expert is chosen for
+    (``pending_load``); ``model.update_expert_bias()`` then
+    moves ``e_score_correction_bias`` by ``bias_update_rate`` (DeepSeek's
+    update speed, 0.001) towards the mean load: the auxiliary-loss-free
+    balancing of the DeepSeek-V3 paper. 0 keeps the bias fixed."""
+
+    bias_update_rate = 1e-3
 
     def __init__(self, cfg, prefix: str, layout: Layout):
         super().__init__()
         self.layout = layout
+        self.layer_index = int(prefix.split(".")[2])  # model.layers.{i}.mlp
         self.experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.groups, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob = cfg.get("norm_topk_prob", True)
@@ -210,7 +220,32 @@ class Router(nn.Module):
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.training and torch.is_grad_enabled():
+            # Recomputation counts every token twice, in every layer alike:
+            # the sign rule, scale-free, moves the bias the same.
+            self.pending_load += torch.bincount(idx.flatten(), minlength=self.experts).float()
         return idx, weights * self.scaling
+
+    @property
+    def pending_load(self) -> torch.Tensor:
+        """This rank's token counts per expert since the last update (not a
+        buffer: a checkpoint or DDP's buffer broadcast must not carry it)."""
+        load = self.__dict__.get("_pending_load")
+        if load is None:
+            load = self.__dict__["_pending_load"] = torch.zeros(self.experts)
+        return load
+
+    @pending_load.setter
+    def pending_load(self, value: torch.Tensor) -> None:
+        self.__dict__["_pending_load"] = value
+
+    @torch.no_grad()
+    def apply_load(self, load: torch.Tensor) -> None:
+        """The sign rule on the load summed over every rank that routed
+        other tokens through this layer."""
+        bias = self.e_score_correction_bias
+        bias += self.bias_update_rate * torch.sign(load.mean() - load).to(bias)
+        self.pending_load.zero_()
 
 
 class Experts(nn.Module):
@@ -345,6 +380,30 @@ class DeepseekV3(CausalLM):
             )
         if cfg.get("attention_bias"):
             raise NotImplementedError("DeepseekV3: attention_bias is not supported")
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """DeepSeek's auxiliary-loss-free balancing step (see ``Router``);
+        every rank calls it after each optimizer step. One all-reduce of a
+        [layers, experts] table of token counts over ``group`` (default:
+        the world), each rank filling its own layers' rows: it sums every
+        rank that routed other tokens through a layer (data, context and,
+        under sequence parallelism, tensor-parallel ranks) and adds zeros
+        from other pipeline stages. Ranks that routed the same tokens
+        (tensor parallel without sequence parallelism) scale a layer's
+        counts alike, which the sign rule does not see."""
+        routers = [m for m in self.modules() if isinstance(m, Router)]
+        cfg = self.config
+        table = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts)
+        for r in routers:
+            table[r.layer_index] = r.pending_load
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(table, group=group)
+        for r in routers:
+            if r.bias_update_rate:
+                r.apply_load(table[r.layer_index])
 
     def make_rotary(self) -> Rotary:
         cfg = self.config

@@ -227,7 +227,13 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     rank that saw different tokens; by default the data-parallel group of
     ``init_parallel``, else the whole world), then each expert's bias moves by
     ``bias_update_rate`` towards the mean load. Call it after each optimizer
-    step, on every rank of ``group``."""
+    step, on every rank of ``group``.
+
+    A model that balances its own routers (``dsparallel.models.DeepseekV3``
+    at any layout) does it itself: ``model.update_expert_bias(group)``.
+    """
+    if hasattr(model, "update_expert_bias"):
+        return model.update_expert_bias(group)
     layers = [m for m in moe_layers(model) if m.router.bias_update_rate]
     if not layers:
         return

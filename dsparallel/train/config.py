@@ -27,6 +27,9 @@ class ModelConfig:
     dtype: str = ""
     # none | bf16: compute in bf16 over float32 master weights.
     mixed_precision: str = "none"
+    # DeepSeek-V3: how far each step moves a router's correction bias
+    # towards the mean expert load (the paper's 0.001; 0 keeps it as loaded).
+    expert_bias_update_rate: float = 1e-3
 
 
 @dataclass

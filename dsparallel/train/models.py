@@ -107,6 +107,7 @@ def precision(cfg) -> tuple[torch.dtype | None, MixedPrecision | None]:
 def build_model(cfg, parallel, state, vocab_size: int, seed: int):
     """This rank's part of the model of ``[model]`` at ``state``'s layout."""
     from ..models import GPT2, DeepseekV3, Llama, from_pretrained
+    from ..models.deepseek_v3 import Router
     from .step import stage_layout
 
     dtype, policy = precision(cfg)
@@ -121,9 +122,16 @@ def build_model(cfg, parallel, state, vocab_size: int, seed: int):
     )
     config = model_config(cfg, vocab_size)
     if config is None:
-        return from_pretrained(cfg.name, state, dtype=dtype, **kwargs)
-    classes = {"llama": Llama, "deepseek_v3": DeepseekV3, "gpt2": GPT2}
-    kind = config.get("model_type")
-    if kind not in classes:
-        raise ValueError(f"[model] {cfg.name}: model_type {kind!r} is not one of {sorted(classes)}")
-    return classes[kind](config, state, seed=seed, dtype=dtype or torch.float32, **kwargs)
+        model = from_pretrained(cfg.name, state, dtype=dtype, **kwargs)
+    else:
+        classes = {"llama": Llama, "deepseek_v3": DeepseekV3, "gpt2": GPT2}
+        kind = config.get("model_type")
+        if kind not in classes:
+            raise ValueError(
+                f"[model] {cfg.name}: model_type {kind!r} is not one of {sorted(classes)}"
+            )
+        model = classes[kind](config, state, seed=seed, dtype=dtype or torch.float32, **kwargs)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.bias_update_rate = cfg.expert_bias_update_rate
+    return model

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..moe import update_expert_bias
+
 # Per schedule: its class, where it wants the stages ("loop": rank r holds
 # r, r + p, ...; "v": r and 2p - 1 - r) and how many per rank by default.
 SCHEDULES = {
@@ -72,6 +74,7 @@ class Step:
         self.model.allreduce_tied_grads()
         self.opt.step()
         self.opt.zero_grad()
+        update_expert_bias(self.model)
         return losses
 
 

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..moe import update_expert_bias
 from .checkpoints import prune, resume_path, step_dir
 from .config import JobConfig, from_dict, load
 from .data import PackedStream, Tokenizer, check_files, expand, load_documents
@@ -249,6 +250,7 @@ class Trainer:
         norm = float(self.model.clip_grad_norm_(clip, optimizer=zero))
         self.opt.step()
         self.opt.zero_grad()
+        update_expert_bias(self.model)  # DeepSeek-V3's balancing; no-op without routers
         return self._reduce_loss(losses), lr, norm
 
     @torch.no_grad()

@@ -285,7 +285,9 @@ def _plain_loop(corpus, model_dir: str, dp: int):
     """The same run in one process, written out: transformers' model in
     fp64, the global batch the dp ranks' rows in rank order, AdamW with
     weight decay on the matrices but the embedding, warmup then cosine,
-    torch's clip_grad_norm_."""
+    torch's clip_grad_norm_; for DeepSeek-V3 the paper's bias rule after
+    each step (bias + 0.001 * sign(mean load - load), the load read from
+    each router's choices)."""
     from transformers import AutoModelForCausalLM
 
     # The eager experts: torch's grouped GEMM has no float64.
@@ -307,6 +309,13 @@ def _plain_loop(corpus, model_dir: str, dp: int):
         betas=(0.9, 0.95),
         eps=1e-8,
     )
+    gates, chosen = {}, {}
+    for name, module in model.named_modules():
+        if hasattr(module, "e_score_correction_bias"):
+            gates[name] = module
+            module.register_forward_hook(
+                lambda mod, args, out, name=name: chosen.__setitem__(name, out[2])
+            )
     losses = []
     for step in range(STEPS):
         if step < 3:
@@ -324,6 +333,11 @@ def _plain_loop(corpus, model_dir: str, dp: int):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():
+            for name, gate in gates.items():
+                load = torch.bincount(chosen[name].flatten(), minlength=gate.num_experts)
+                load = load.double()
+                gate.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
         losses.append(loss.item())
     return losses, model
 
