@@ -68,14 +68,15 @@ def build_model(spec: str, state, args):
 
 
 def make_trainer(
-    model, state, zero_stage: int, micro_batches: int, lr: float, **ddp_options
+    model, state, zero_stage: int, micro_batches: int, lr: float, **options
 ) -> Step:
     """``model`` (built for ``init_parallel``'s ``state``) trained with AdamW
     by the trainer's step (``dsparallel.train.step``): our DDP over the
     data- and context-parallel ranks, ZeRO stage 1/2 sharding AdamW's state
     over them, 1F1B over ``micro_batches`` under a pipeline. A model already
     sharded by torch's FSDP2 (``fully_shard``) is trained as it is.
-    ``ddp_options`` go to our DDP (``overlap_param_gather=True``)."""
+    ``options`` go to ``make_step``: another ``schedule=`` (the model built
+    with its stages), or our DDP's ``overlap_param_gather=True``."""
 
     def make_optimizer(model, zero_group):
         params = [q for q in model.parameters() if q.requires_grad]
@@ -91,7 +92,7 @@ def make_trainer(
         make_optimizer,
         zero_stage=zero_stage,
         micro_batches=micro_batches,
-        **ddp_options,
+        **options,
     )
 
 

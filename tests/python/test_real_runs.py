@@ -413,6 +413,12 @@ MP_LAYOUTS = {  # name: (model, tp, pp, ep, cp, zero, model kwargs)
     "deepseek-cp2": ("deepseek", 1, 1, 1, 2, 1, {}),
     # torch's FSDP2 over "dsp" with torch's own MixedPrecisionPolicy.
     "fsdp2-torch-policy": ("llama", 1, 1, 1, 1, 0, {"fsdp": True}),
+    # Two stages per rank (four layers): in a V under ZBV (whose backward
+    # splits input and weight gradients) and DualPipeV, looped under
+    # interleaved 1F1B.
+    "pp2-zbv": ("llama4", 1, 2, 1, 1, 0, {"schedule": "zbv"}),
+    "pp2-dualpipev": ("llama4", 1, 2, 1, 1, 0, {"schedule": "dualpipev"}),
+    "pp2-interleaved": ("llama4", 1, 2, 1, 1, 0, {"schedule": "interleaved_1f1b"}),
 }
 # The model tests' DeepSeek-V3 with four experts and default RoPE: with
 # eight experts (or YaRN) a rarely chosen expert's (or a norm's) distance
@@ -432,23 +438,38 @@ def _by_hand(hf) -> dict[str, torch.Tensor]:
     float32 masters, written out: before each step the masters are rounded
     into a bf16 copy (DeepSeek's router weight, which transformers computes
     in float32, stays float32), its loss on the whole batch is
-    back-propagated in bf16, and the bf16 gradients step the masters."""
+    back-propagated in bf16, and the bf16 gradients step the masters.
+    DeepSeek-V3's correction bias (float32 too) then moves by the paper's
+    rule: + 0.001 * sign(mean load - load), the load read from the
+    router's choices."""
     import copy
 
     work = copy.deepcopy(hf).to(torch.bfloat16)
-    for name, p in work.named_parameters():
-        if name.endswith("mlp.gate.weight"):
-            p.data = p.data.float()
+    gates, chosen = {}, {}
+    for name, module in work.named_modules():
+        if name.endswith("mlp.gate"):
+            module.float()  # its weight and correction bias
+            gates[name] = module, hf.get_submodule(name)
+            module.register_forward_hook(
+                lambda mod, args, out, name=name: chosen.__setitem__(name, out[2])
+            )
     opt = torch.optim.AdamW(hf.parameters(), lr=MP_LR)
     for batch in _mp_batches():
         with torch.no_grad():
             for w, m in zip(work.parameters(), hf.parameters()):
                 w.copy_(m)
+        chosen.clear()
         work(batch, labels=batch).loss.backward()
         for w, m in zip(work.parameters(), hf.parameters()):
             m.grad, w.grad = w.grad.float(), None
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():
+            for name, (gate, master) in gates.items():
+                idx = chosen[name]
+                load = torch.bincount(idx.flatten(), minlength=gate.num_experts).float()
+                gate.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
+                master.e_score_correction_bias.copy_(gate.e_score_correction_bias)
 
 
 def _mp_body(rank, world, paths, layouts):
@@ -459,6 +480,7 @@ def _mp_body(rank, world, paths, layouts):
 
     import dsparallel
     from dsparallel.models import from_pretrained
+    from dsparallel.train.step import stage_layout
 
     out = {}
     for name in layouts:
@@ -468,6 +490,9 @@ def _mp_body(rank, world, paths, layouts):
         policy = dsparallel.MixedPrecision(reduce_dtype=kwargs.pop("reduce_dtype", torch.float32))
         fsdp = kwargs.pop("fsdp", False)
         overlap = kwargs.pop("overlap_param_gather", False)
+        schedule = kwargs.pop("schedule", "1f1b")
+        per_rank, placement = stage_layout(schedule, 0)
+        kwargs.update(stages_per_rank=per_rank, stage_placement=placement)
         if fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -480,7 +505,10 @@ def _mp_body(rank, world, paths, layouts):
             model = from_pretrained(paths[kind], state, mixed_precision=policy, **kwargs)
             assert model.precision == "mixed bfloat16 (float32 masters)"
         options = {"overlap_param_gather": True} if overlap else {}
-        trainer = make_trainer(model, state, zero, micro_batches=2, lr=MP_LR, **options)
+        if pp > 1:
+            options["schedule"] = schedule
+        micro = 4 if schedule == "dualpipev" else 2  # DualPipeV: 2 per rank and direction
+        trainer = make_trainer(model, state, zero, micro_batches=micro, lr=MP_LR, **options)
         assert all(ddp.mixed_precision == policy for ddp in trainer.ddps)
         computed = set()  # the dtype each decoder layer computed in
         hooks = [
@@ -525,9 +553,12 @@ def mp_reference(llama_dir, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("deepseek"))
     torch.manual_seed(3)
     DeepseekV3ForCausalLM(DeepseekV3Config(**MP_DEEPSEEK)).save_pretrained(path)
+    four = str(tmp_path_factory.mktemp("llama4"))
+    _save_hf(four, num_hidden_layers=4)  # a layer for each of four stages
     out = {}
     for kind, cls, where in (
         ("llama", LlamaForCausalLM, llama_dir),
+        ("llama4", LlamaForCausalLM, four),
         ("deepseek", DeepseekV3ForCausalLM, path),
     ):
         hf = cls.from_pretrained(where, dtype=torch.float32)
