@@ -114,7 +114,7 @@ def _measure(step, batches, args) -> dict:
     return {"tokens_per_s": stats(tokens / t for t in seconds), "peak_rss_mb": peak.item()}
 
 
-def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused=False):
+def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused=False, zero=False):
     import torch
 
     import dsparallel
@@ -144,7 +144,16 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused
         runner = model
         if state.dp_size > 1:
             runner = dsparallel.DistributedDataParallel(model, process_group=state.dp_group)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    if zero:  # ZeRO-1: AdamW's state and step sharded over the data-parallel ranks
+        opt = dsparallel.ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            process_group=state.dp_group,
+            lr=1e-4,
+            fused=fused,
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
     def step(batch):
         rows = batch.chunk(state.dp_size)[state.dp_rank]
@@ -162,7 +171,9 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused
     return result
 
 
-def _transformers(rank, world, kind, path, ddp_options, experts, args, bf16=False, fused=False):
+def _transformers(
+    rank, world, kind, path, ddp_options, experts, args, bf16=False, fused=False, zero=False
+):
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -173,7 +184,12 @@ def _transformers(rank, world, kind, path, ddp_options, experts, args, bf16=Fals
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
     model.train()
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    if zero:  # torch's ZeRO-1
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=fused)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
     def step(batch):
         rows = batch.chunk(world)[rank]
@@ -272,11 +288,16 @@ def _dtype_rows(paths, args, fused_options=(False, True)) -> list[dict]:
     rows = []
     for kind in ("llama", "deepseek"):
         experts = "grouped_mm" if kind == "deepseek" else None
-        for fused in fused_options:
-            adamw = "fused AdamW" if fused else "AdamW"
+        layout, tp, pp, ep, sp = BEST[kind]
+        data_parallel = 4 // (tp * pp) > 1  # data parallel reduces the gradients
+        # Under data parallelism also ZeRO-1 (AdamW's float32 state and step
+        # sharded, as Megatron's distributed optimizer), ours and torch's.
+        zeros = (False, True) if data_parallel else (False,)
+        for fused, zero in ((f, z) for f in fused_options for z in zeros):
+            adamw = ("fused AdamW" if fused else "AdamW") + (", ZeRO-1" if zero else "")
             name = f"transformers + torch DDP/gloo, autocast bf16, {adamw}"
             r = run_ranks(
-                _transformers, 4, kind, paths[kind], BF16_BASELINE, experts, args, True, fused
+                _transformers, 4, kind, paths[kind], BF16_BASELINE, experts, args, True, fused, zero
             )
             rows.append(
                 {
@@ -285,30 +306,35 @@ def _dtype_rows(paths, args, fused_options=(False, True)) -> list[dict]:
                     "system": "baseline",
                     "precision": "autocast bf16",
                     "fused": fused,
+                    "zero": zero,
                     "layout": name,
                     **r,
                 }
             )
             print(kind, name, f"{r['tokens_per_s']['median']:.0f} tokens/s")
-        layout, tp, pp, ep, sp = BEST[kind]
         precisions = ["fp32", "mixed bf16", "pure bf16"]
-        if 4 // (tp * pp) > 1:  # data parallel reduces the gradients
+        if data_parallel:
             precisions.insert(2, "mixed bf16, bf16 reduce")
-        for precision in precisions:
-            for fused in fused_options:
-                r = run_ranks(_ours, 4, kind, tp, pp, ep, sp, paths[kind], args, precision, fused)
-                rows.append(
-                    {
-                        "model": kind,
-                        "seq": args["seq"],
-                        "system": "dsparallel",
-                        "precision": precision,
-                        "fused": fused,
-                        "layout": layout,
-                        **r,
-                    }
-                )
-                print(kind, layout, precision, fused, f"{r['tokens_per_s']['median']:.0f} tokens/s")
+        configs = [(p, f, False) for p in precisions for f in fused_options]
+        if data_parallel:
+            configs += [(p, f, True) for p in ("fp32", "mixed bf16") for f in fused_options]
+        for precision, fused, zero in configs:
+            r = run_ranks(_ours, 4, kind, tp, pp, ep, sp, paths[kind], args, precision, fused, zero)
+            rows.append(
+                {
+                    "model": kind,
+                    "seq": args["seq"],
+                    "system": "dsparallel",
+                    "precision": precision,
+                    "fused": fused,
+                    "zero": zero,
+                    "layout": layout + (", ZeRO-1" if zero else ""),
+                    **r,
+                }
+            )
+            print(
+                kind, layout, precision, fused, zero, f"{r['tokens_per_s']['median']:.0f} tokens/s"
+            )
     return rows
 
 
@@ -408,7 +434,7 @@ def _print_dtype(rows) -> None:
         print(f"\n{kind}: tokens/s, peak RSS MiB")
         for r in mine:
             t = r["tokens_per_s"]
-            adamw = "fused" if r["fused"] else "foreach"
+            adamw = ("fused" if r["fused"] else "foreach") + (" ZeRO-1" if r.get("zero") else "")
             print(
                 f"  seq {r.get('seq', '')} {r['system']:>10} {r['precision']:<14} {adamw:<8} "
                 f"{t['median']:7.0f} "

@@ -739,15 +739,22 @@ def _models_dtype(r):
         "(`dsparallel.MixedPrecision()`: float32 masters, gradients and AdamW state) and",
         'pure bf16, against `transformers` under `torch.autocast("cpu", bfloat16)` over',
         "torch's DDP/gloo (bucket views, static graph; DeepSeek-V3 with grouped_mm",
-        "experts). AdamW at torch's default (foreach) and fused. Ratios: against our",
-        "float32 with the same AdamW, and against the best `transformers` bf16 row.",
+        "experts). AdamW at torch's default (foreach) and fused; under data parallelism",
+        "also ZeRO-1 (ours, and torch's ZeroRedundancyOptimizer for the baseline):",
+        "AdamW's float32 state and step sharded, as Megatron's distributed optimizer.",
+        "Ratios: against our float32 with the same optimizer, and against the best",
+        "`transformers` bf16 row.",
         "",
     ]
     for kind, seq in ((k, q) for k in ("llama", "deepseek") for q in seqs):
         rows = [x for x in r["rows"] if x["model"] == kind and x.get("seq", cfg["seq"]) == seq]
         base = _fastest_baseline(rows)
+
+        def optimizer(x):
+            return (x["fused"], x.get("zero", False))
+
         fp32 = {
-            x["fused"]: x["tokens_per_s"]
+            optimizer(x): x["tokens_per_s"]
             for x in rows
             if x["system"] == "dsparallel" and x["precision"] == "fp32"
         }
@@ -755,9 +762,9 @@ def _models_dtype(r):
             [
                 x["system"],
                 x["precision"],
-                "fused" if x["fused"] else "foreach",
+                ("fused" if x["fused"] else "foreach") + (", ZeRO-1" if x.get("zero") else ""),
                 t(x["tokens_per_s"]),
-                ratio(x["tokens_per_s"], fp32[x["fused"]]) if x["system"] == "dsparallel" else "",
+                ratio(x["tokens_per_s"], fp32[optimizer(x)]) if x["system"] == "dsparallel" else "",
                 ratio(x["tokens_per_s"], base["tokens_per_s"]),
                 f"{x['peak_rss_mb']:.0f}",
             ]
