@@ -198,6 +198,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.experts, cfg.hidden_size, device="meta"))
         self.weight._dsp_keep_fp32 = True
         self.register_buffer("e_score_correction_bias", torch.empty(self.experts, device="meta"))
+        # This rank's token counts per expert since the last update: not a
+        # buffer, so that neither a checkpoint nor DDP's broadcast carries it.
+        self.pending_load = torch.zeros(self.experts)
         self.hf_specs = {
             "weight": whole(f"{prefix}.gate.weight", (self.experts, cfg.hidden_size)),
             "e_score_correction_bias": whole(
@@ -223,21 +226,9 @@ class Router(nn.Module):
         if self.training and torch.is_grad_enabled():
             # Recomputation counts every token twice, in every layer alike:
             # the sign rule, scale-free, moves the bias the same.
-            self.pending_load += torch.bincount(idx.flatten(), minlength=self.experts).float()
+            load = torch.bincount(idx.flatten(), minlength=self.experts).float()
+            self.pending_load = self.pending_load.to(load.device) + load
         return idx, weights * self.scaling
-
-    @property
-    def pending_load(self) -> torch.Tensor:
-        """This rank's token counts per expert since the last update (not a
-        buffer: a checkpoint or DDP's buffer broadcast must not carry it)."""
-        load = self.__dict__.get("_pending_load")
-        if load is None:
-            load = self.__dict__["_pending_load"] = torch.zeros(self.experts)
-        return load
-
-    @pending_load.setter
-    def pending_load(self, value: torch.Tensor) -> None:
-        self.__dict__["_pending_load"] = value
 
     @torch.no_grad()
     def apply_load(self, load: torch.Tensor) -> None:
@@ -245,7 +236,7 @@ class Router(nn.Module):
         other tokens through this layer."""
         bias = self.e_score_correction_bias
         bias += self.bias_update_rate * torch.sign(load.mean() - load).to(bias)
-        self.pending_load.zero_()
+        self.pending_load = torch.zeros_like(self.pending_load)
 
 
 class Experts(nn.Module):
@@ -396,7 +387,7 @@ class DeepseekV3(CausalLM):
         cfg = self.config
         table = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts)
         for r in routers:
-            table[r.layer_index] = r.pending_load
+            table[r.layer_index] = r.pending_load.cpu()
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
         if group is not None and dist.get_world_size(group) > 1:
