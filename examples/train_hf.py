@@ -67,9 +67,7 @@ def build_model(spec: str, state, args):
     return CLASSES[kind](config, state, seed=args.seed, **kwargs)
 
 
-def make_trainer(
-    model, state, zero_stage: int, micro_batches: int, lr: float, **options
-) -> Step:
+def make_trainer(model, state, zero_stage: int, micro_batches: int, lr: float, **options) -> Step:
     """``model`` (built for ``init_parallel``'s ``state``) trained with AdamW
     by the trainer's step (``dsparallel.train.step``): our DDP over the
     data- and context-parallel ranks, ZeRO stage 1/2 sharding AdamW's state
