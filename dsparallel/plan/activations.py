@@ -22,8 +22,9 @@ whole). Per layer, in elements:
   runs on the math path) the softmax probabilities, b s^2 per head;
   then the dense MLP or the MoE: the router's scores and choices, the k T
   dispatched rows (with ep, the rows this rank's experts receive: k T on
-  average), their experts' gate/up, silu and product, the combined
-  outputs, and the shared experts split over t.
+  average), their experts' gate/up (the grouped expert GEMM recomputes
+  silu and the product in its backward), the combined outputs, and the
+  shared experts' gate/up, silu and product split over t.
 
 A pipeline stage adds the embedding (token ids) on the first stage and the
 final norm, the LM head's input and the vocabulary-parallel loss (T V / t)
@@ -84,10 +85,11 @@ def gpt_block(m: Model, lay: Layout) -> list[Saved]:
     if not cfg.moe_experts:
         return saved + [Saved(8 * h, split="tp")]  # fc1's output and GELU's
     # Not split by tp: the router's scores and choices (int64), the
-    # dispatched rows, each expert's hidden and GELU, the combined rows and
-    # their slots; the shared experts' hidden and GELU.
+    # dispatched rows, each expert's hidden (the grouped expert GEMM saves
+    # only the pre-activation and recomputes GELU in its backward), the
+    # combined rows and their slots; the shared experts' hidden and GELU.
     k, ffn = cfg.moe_top_k, max(1, 4 * h // cfg.moe_top_k)
-    mlp = cfg.moe_experts + 7 * k + k * (3 * h + 2 * ffn) + 2 * cfg.moe_shared_experts * ffn
+    mlp = cfg.moe_experts + 7 * k + k * (3 * h + ffn) + 2 * cfg.moe_shared_experts * ffn
     return saved + [Saved(mlp)]
 
 
@@ -177,7 +179,9 @@ def _deepseek_layer(m: Model, lay: Layout, index: int, tokens: float, seq: float
         k, experts = g("num_experts_per_tok"), g("n_routed_experts")
         mffn = g("moe_intermediate_size")
         sigma = t if lay.sequence_parallel else 1
-        mlp = k * (3 * h + 4 * mffn) / sigma + 4 * mffn * g("n_shared_experts", 1) / t
+        # The routed experts' gate/up only (the grouped GEMM recomputes silu
+        # and the product); the shared experts' gate, up, silu and product.
+        mlp = k * (3 * h + 2 * mffn) / sigma + 4 * mffn * g("n_shared_experts", 1) / t
         # The float32 router's input and sigmoid scores, choices (int64), weights.
         if low_precision:
             fp32 += (h + experts + 6 * k + 1) / sigma
