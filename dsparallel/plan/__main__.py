@@ -37,12 +37,24 @@ def _gpt(spec: str):
     return GPTConfig(**values)
 
 
-def _command(e, model_arg: str, model, seq: int, global_batch: int) -> str:
+def _launcher(world: int, devices_per_host: int) -> str:
+    """torchrun for ``world`` processes: on one host, or run on each of the
+    hosts with the rendezvous at the first (as torchrun's multi-node use)."""
+    if world <= devices_per_host:
+        return f"torchrun --nproc-per-node {world}"
+    return (
+        f"torchrun --nnodes {world // devices_per_host} --nproc-per-node {devices_per_host} "
+        "--rdzv-backend c10d --rdzv-endpoint $FIRST_HOST:29500"
+    )
+
+
+def _command(e, model_arg: str, model, seq: int, global_batch: int, devices_per_host: int) -> str:
     lay, kind = e.layout, model.kind
+    launch = _launcher(lay.world, devices_per_host)
     if kind == "gpt":
         cfg = model.config
         parts = [
-            f"NPROC={lay.world} bash scripts/train.sh",
+            f"{launch} examples/train_gpt.py",
             f"--hidden {cfg.hidden} --heads {cfg.heads} --layers {cfg.layers} --seq {seq}",
             f"--tensor-parallel {lay.tp}",
             f"--pipeline-parallel {lay.pp}",
@@ -58,7 +70,7 @@ def _command(e, model_arg: str, model, seq: int, global_batch: int) -> str:
             parts.append(f"--schedule {lay.schedule}")
     else:
         parts = [
-            f"torchrun --nproc-per-node {lay.world} examples/train_hf.py --model {model_arg}",
+            f"{launch} examples/train_hf.py --model {model_arg}",
             f"--tensor-parallel {lay.tp} --pipeline-parallel {lay.pp}",
             f"--micro-batches {lay.micro_batches} --batch-size {global_batch} --seq-len {seq}",
         ]
@@ -185,7 +197,9 @@ def main(argv=None) -> int:
             )
         return 1
     print(_table(rows[: a.top], cluster))
-    print("\nthe best:", _command(rows[0], a.model, model, a.seq_len, a.global_batch))
+    best = _command(rows[0], a.model, model, a.seq_len, a.global_batch, cluster.devices_per_host)
+    where = " (on each host; FIRST_HOST: the first's address)" if cluster.hosts > 1 else ""
+    print(f"\nthe best{where}:", best)
     if a.png:
         _png(rows[: a.top], a.png)
         print(f"wrote {a.png}")

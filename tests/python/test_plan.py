@@ -358,7 +358,11 @@ def test_the_planner_page_shows_what_the_planner_prints(capsys):
     assert "\n\n".join(printed) == block
     rows = [line for line in block.splitlines() if "|" in line and not line.startswith("tp")]
     assert rows and all(float(r.split("|")[0].split()[-1]) <= 0.9 * 80 for r in rows)
-    assert "the best: torchrun --nproc-per-node 64 examples/train_hf.py" in block
+    assert (
+        "the best (on each host; FIRST_HOST: the first's address): torchrun --nnodes 8 "
+        "--nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $FIRST_HOST:29500 "
+        "examples/train_hf.py" in block
+    )
 
 
 @pytest.mark.parametrize("spec", ["hidden=64,heads=4,layers=4", "hidden=64,heads=4,moe_experts=4"])
@@ -380,10 +384,10 @@ def test_the_command_printed_for_a_gpt_runs_the_planned_model(tmp_path, capsys, 
     model = f"gpt:{spec},seq_len=32"
     assert main(f"--model {model} --cluster {path} --global-batch 8 --seq-len 32".split()) == 0
     best = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("the best: "))
-    nproc = int(best.split("NPROC=")[1].split()[0])
+    nproc = int(best.split("--nproc-per-node ")[1].split()[0])
     printed = run_script(
         os.path.join(ROOT, "examples", "train_gpt.py"),
-        *best.split("scripts/train.sh")[1].split(),
+        *best.split("examples/train_gpt.py")[1].split(),
         "--steps",
         "2",
         "--plot",
