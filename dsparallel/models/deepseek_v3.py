@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import tensor_parallel as tp
+from ..moe.layer import AddAuxLossGrad
 from ..moe.ops import Plan, combine, dispatch, grouped_mlp
 from .causal_lm import CausalLM
 from .hf_config import rope_frequencies, softmax_scale
@@ -186,6 +187,13 @@ class Router(nn.Module):
     balancing of the DeepSeek-V3 paper. 0 keeps the bias fixed."""
 
     bias_update_rate = 1e-3
+    # The sequence-wise balance loss's weight (the paper's alpha; 0: off, as
+    # transformers' model, which has none; the trainer's default is the
+    # paper's 1e-4), and the share of it each forward call carries (1/M when
+    # a pipeline runs M micro-batches a step: the step's loss is then the
+    # mean over the global batch's sequences).
+    balance_loss_weight = 0.0
+    balance_loss_share = 1.0
 
     def __init__(self, cfg, prefix: str, layout: Layout):
         super().__init__()
@@ -201,6 +209,7 @@ class Router(nn.Module):
         # This rank's token counts per expert since the last update: not a
         # buffer, so that neither a checkpoint nor DDP's broadcast carries it.
         self.pending_load = torch.zeros(self.experts)
+        self.balance_loss: torch.Tensor | None = None  # the last one trained with
         self.hf_specs = {
             "weight": whole(f"{prefix}.gate.weight", (self.experts, cfg.hidden_size)),
             "e_score_correction_bias": whole(
@@ -208,8 +217,10 @@ class Router(nn.Module):
             ),
         }
 
-    def forward(self, x: torch.Tensor):
-        """x [tokens, hidden] -> (expert indices [tokens, top_k], weights float32)."""
+    def forward(self, x: torch.Tensor, batch: int = 1):
+        """x [tokens, hidden] (``batch`` sequences, sequence-major) ->
+        (expert indices [tokens, top_k], weights float32, the balance loss
+        to train with or None)."""
         scores = F.linear(x.float(), self.layout.shared(self.weight).float()).sigmoid()
         with torch.no_grad():
             choice = scores + self.e_score_correction_bias
@@ -228,7 +239,42 @@ class Router(nn.Module):
             # the sign rule, scale-free, moves the bias the same.
             load = torch.bincount(idx.flatten(), minlength=self.experts).float()
             self.pending_load = self.pending_load.to(load.device) + load
-        return idx, weights * self.scaling
+        balance = None
+        if self.balance_loss_weight and self.training and torch.is_grad_enabled():
+            balance = self._balance_loss(scores, idx, batch)
+        return idx, weights * self.scaling, balance
+
+    def _balance_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int):
+        """DeepSeek-V3's sequence-wise balance loss (paper, eq. 17-20): per
+        sequence of T tokens, f_i = E / (K T) * (tokens choosing expert i)
+        and P_i = mean over the tokens of the scores normalised over the
+        experts; alpha * sum_i f_i P_i, the mean over the sequences.
+
+        A rank may hold part of each sequence (sequence parallelism: 1/tp of
+        it; context parallelism: its chunks): the counts and score sums are
+        summed over those ranks (one all-reduce of [2, batch, experts] per
+        group, no gradient), and the returned term is this rank's tokens'
+        share, whose gradient is the loss's through them (times the
+        context-parallel size, which the gradients' averaging over dp x cp
+        divides out, as the language-model loss does). ``balance_loss``
+        keeps the whole loss's value."""
+        lay, e = self.layout, self.experts
+        mine = scores.view(-1, batch, e)  # [seq here, batch, experts]
+        share = (mine / mine.sum(-1, keepdim=True)).sum(0)  # [batch, experts]
+        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(-1, batch, e).sum(0)
+        stats = torch.stack([chosen, share.detach()])
+        tokens = mine.shape[0]
+        for size, group, on in (
+            (lay.tp_size, lay.tp_group, lay.sp),
+            (lay.cp_size, lay.cp_group, True),
+        ):
+            if on and size > 1:
+                dist.all_reduce(stats, group=group)
+                tokens *= size
+        f = stats[0] * e / (self.top_k * tokens)
+        alpha = self.balance_loss_weight * self.balance_loss_share
+        self.balance_loss = alpha * (f * stats[1] / tokens).sum(-1).mean()
+        return alpha * lay.cp_size * (f * share / tokens).sum(-1).mean()
 
     @torch.no_grad()
     def apply_load(self, load: torch.Tensor) -> None:
@@ -300,14 +346,17 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        idx, weights = self.gate(flat)
+        idx, weights, balance = self.gate(flat, batch=shape[1])
         weights = weights.to(x.dtype)
         if self.ep_group is not None:
             plan = Plan(idx, self.num_experts, self.ep_group)
             routed = combine(self.experts(dispatch(flat, plan), plan.chunks()), weights, plan)
         else:
             routed = self._local(flat, idx, weights)
-        return routed.view(shape) + self.shared_experts(x)
+        out = routed.view(shape) + self.shared_experts(x)
+        if balance is not None:  # trains the router as if added to the loss
+            out = AddAuxLossGrad.apply(out, balance)
+        return out
 
     def _local(self, x, idx, weights):
         """Every expert in this process: assignments sorted by expert, each

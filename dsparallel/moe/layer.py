@@ -49,7 +49,7 @@ class GroupedExperts(nn.Module):
         return grouped_mlp(rows, self.w1, self.w2, chunks, "gelu")
 
 
-class _AddAuxLossGrad(torch.autograd.Function):
+class AddAuxLossGrad(torch.autograd.Function):
     """Identity on the output; in backward, also d(aux)/d(aux) = 1, so the
     auxiliary loss trains the router as if it had been added to the loss,
     without the user (or a pipeline stage) having to carry it."""
@@ -179,7 +179,7 @@ class MoE(nn.Module):
             out = out + self.shared(x2)
         self.aux_loss = aux.detach() if aux is not None else None
         if aux is not None and torch.is_grad_enabled():
-            out = _AddAuxLossGrad.apply(out, aux)
+            out = AddAuxLossGrad.apply(out, aux)
         return out.view(shape)
 
     def _local(self, x, idx, gates):

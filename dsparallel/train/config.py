@@ -30,6 +30,9 @@ class ModelConfig:
     # DeepSeek-V3: how far each step moves a router's correction bias
     # towards the mean expert load (the paper's 0.001; 0 keeps it as loaded).
     expert_bias_update_rate: float = 1e-3
+    # DeepSeek-V3: the sequence-wise balance loss's weight (the paper's
+    # alpha, 0.0001; 0: off).
+    balance_loss_weight: float = 1e-4
 
 
 @dataclass

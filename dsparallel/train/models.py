@@ -134,4 +134,5 @@ def build_model(cfg, parallel, state, vocab_size: int, seed: int):
     for m in model.modules():
         if isinstance(m, Router):
             m.bias_update_rate = cfg.expert_bias_update_rate
+            m.balance_loss_weight = cfg.balance_loss_weight
     return model

@@ -150,6 +150,9 @@ def make_step(
     if state.pp_size > 1:
         stages = model.pipeline_stages(wrap=wrap if wrapped else None)
         pipe = pipeline_schedule(schedule, stages, micro_batches, model.loss_fn)
+        for m in model.modules():  # a balance loss per micro-batch: 1/M of the step's
+            if hasattr(m, "balance_loss_share"):
+                m.balance_loss_share = 1.0 / micro_batches
     else:
         runner = wrap(model) if wrapped else model
     opt = make_optimizer(model, replicas if zero_stage else None)
