@@ -1,6 +1,6 @@
 """Registration of the "dsp" torch.distributed backend.
 
-``import dsparallel`` calls :func:`register` once; calling it again is a no-op.
+``import dsparallel`` calls ``register`` once; calling it again is a no-op.
 """
 
 from __future__ import annotations

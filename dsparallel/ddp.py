@@ -336,7 +336,7 @@ class DistributedDataParallel(nn.Module):
 
         Called for each bucket instead of the built-in averaging all-reduce; the
         future's tensor replaces the bucket. Torch's hooks and
-        :mod:`dsparallel.comm_hooks` both fit. Call before the first forward.
+        ``dsparallel.comm_hooks`` both fit. Call before the first forward.
         """
         if not callable(hook):
             raise TypeError("register_comm_hook: hook must be callable")

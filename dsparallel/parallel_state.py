@@ -39,6 +39,25 @@ _we_initialised = False
 
 @dataclass(frozen=True)
 class ParallelState:
+    """The layout ``init_parallel`` made, seen from this rank (Megatron's
+    ``mpu`` as one object): for each parallelism its process group, this
+    rank's place in it and its size.
+
+    - ``mesh``: the DeviceMesh over [pp, dp, (cp,) tp] (its dimensions named
+      so), for DTensor and FSDP2;
+    - ``tp_group``, ``tp_rank``, ``tp_size``: tensor parallelism;
+    - ``pp_group``, ``pp_rank``, ``pp_size``: the pipeline (stage order);
+    - ``dp_group``, ``dp_rank``, ``dp_size``: the replicas that read
+      different batches (expert parallelism runs inside them);
+    - ``ep_group``, ``ep_rank``, ``ep_size``: expert parallelism (the group
+      None at size 1); ``expert_dp_group``: the replicas of this rank's
+      experts, which average their gradients;
+    - ``cp_group``, ``cp_rank``, ``cp_size``: context parallelism (the group
+      None at size 1); ``dp_cp_group``: the ranks whose gradients are
+      averaged (dp x cp; ``dp_group`` when cp is 1).
+
+    The ranks of one tp, pp and cp group see the same batch."""
+
     mesh: DeviceMesh
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
@@ -180,6 +199,8 @@ def expert_dp_group_of(name: str, p: torch.Tensor, who: str) -> dist.ProcessGrou
 
 
 def get_parallel_state() -> ParallelState:
+    """The ``ParallelState`` of the last ``init_parallel`` (an error before
+    it)."""
     if _state is None:
         raise RuntimeError("call dsparallel.init_parallel() first")
     return _state

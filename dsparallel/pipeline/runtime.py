@@ -206,7 +206,7 @@ class _PipelineSchedule:
           of the stage's backward the schedule could move into bubbles;
         - ``not_deferred``: the names of parameters whose gradient was
           computed inside I (modules that do not route their weight
-          gradient through :func:`split_linear`: still correct, only not
+          gradient through ``split_linear``: still correct, only not
           deferred), and ``not_deferred_numel``: their share of the stage's
           trainable elements. Opt such a module in with ``split_linear``.
         """

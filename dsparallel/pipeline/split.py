@@ -28,7 +28,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class SplitLinears(TorchFunctionMode):
-    """Routes ``F.linear`` to :func:`split_linear` while active (a stage's
+    """Routes ``F.linear`` to ``split_linear`` while active (a stage's
     forward, and its recomputation under activation checkpointing)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
