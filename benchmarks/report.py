@@ -920,10 +920,33 @@ def _pick(rows, **want):
     return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
 
 
+def per_token(tokens_per_s: dict) -> dict:
+    """Seconds per token from tokens/s statistics (min and max swap)."""
+    return {
+        "median": 1 / tokens_per_s["median"],
+        "min": 1 / tokens_per_s["max"],
+        "max": 1 / tokens_per_s["min"],
+    }
+
+
+def verdict(a: dict, b: dict) -> str:
+    """What a / b of times says once its range is read: a range across
+    1.0 is no clear difference, whichever side the median falls."""
+    if a["max"] / b["min"] < 1:
+        return "faster"
+    if a["min"] / b["max"] > 1:
+        return "slower"
+    return "no clear difference"
+
+
 def headline(results: dict[str, list[dict]]) -> str:
     """The README's table: one line per strategy, ours against the baseline
-    users would otherwise run, at its best."""
+    users would otherwise run, at its best, like for like where the layouts
+    differ; and what each ratio's range says."""
     body = []
+
+    def row_(what: str, against: str, ours: dict, theirs: dict) -> None:
+        body.append([what, against, ratio(ours, theirs), verdict(ours, theirs)])
 
     def first(key):
         return results[key][0] if results.get(key) else None
@@ -932,87 +955,142 @@ def headline(results: dict[str, list[dict]]) -> str:
         # dist.all_reduce against gloo and MPI; against DeepSpeed's op (no
         # torch.distributed call on its way) our direct op, which skips it too.
         for nbytes, against in ((8, ("gloo", "mpi", "deepspeed")), (1 << 20, ("mpi", "deepspeed"))):
-            row = _pick(r["rows"], collective="all_reduce", world=2, bytes=nbytes)
-            for k in [k for k in against if row and k in row]:
+            picked = _pick(r["rows"], collective="all_reduce", world=2, bytes=nbytes)
+            for k in [k for k in against if picked and k in picked]:
                 ours = "dsp-op" if k == "deepspeed" else "dsp"
-                body.append(
-                    [
-                        f"all-reduce {size(nbytes)}, 2 ranks"
-                        + (" (direct op)" if ours == "dsp-op" else ""),
-                        {"gloo": "gloo", "mpi": "Open MPI", "deepspeed": "DeepSpeed's shm op"}[k],
-                        ratio(row[ours]["us"], row[k]["us"]),
-                    ]
+                row_(
+                    f"all-reduce {size(nbytes)}, 2 ranks"
+                    + (" (direct op)" if ours == "dsp-op" else ""),
+                    {"gloo": "gloo", "mpi": "Open MPI", "deepspeed": "DeepSpeed's shm op"}[k],
+                    picked[ours]["us"],
+                    picked[k]["us"],
                 )
     if r := first("p2p"):
-        row = _pick(r["rows"], bytes=64 << 10)
-        if row:
+        picked = _pick(r["rows"], bytes=64 << 10)
+        if picked:
             for k in ("gloo", "MPI"):
-                if k in row:
-                    body.append(["send/recv 64 KiB, one way", k, ratio(row["dsp"], row[k])])
+                if k in picked:
+                    row_("send/recv 64 KiB, one way", k, picked["dsp"], picked[k])
     if r := first("ddp"):
-        for row in r["rows"]:
-            body.append(
-                [
-                    f"DDP step, {row['model']}, {r['config']['world']} ranks",
-                    "torch DDP over gloo",
-                    ratio(row["dsparallel/dsp_s"], row["torch/gloo_s"]),
-                ]
-            )
+        for x in r["rows"]:
+            what = f"DDP step, {x['model']}, {r['config']['world']} ranks"
+            row_(what, "torch DDP over gloo", x["dsparallel/dsp_s"], x["torch/gloo_s"])
+            # The same backend under both: what our reducer itself gives.
+            row_(what, 'torch DDP over "dsp"', x["dsparallel/dsp_s"], x["torch/dsp_s"])
     if r := first("zero"):
         for world in sorted({x["world"] for x in r["rows"]}):
             ours = _pick(r["rows"], world=world, config="ours-zero2")
             best = _pick(r["rows"], world=world, config="ddp+torch-zero1-fused")
             if ours and best:
-                body.append(
-                    [
-                        f"ZeRO-2 step, {world} ranks",
-                        "torch ZeroRedundancyOptimizer, fused AdamW",
-                        ratio(ours["step_s"], best["step_s"]),
-                    ]
+                row_(
+                    f"ZeRO-2 step, {world} ranks",
+                    "torch ZeroRedundancyOptimizer, fused AdamW",
+                    ours["step_s"],
+                    best["step_s"],
                 )
     if r := first("pipeline"):
         ours = [x for x in r["rows"] if x["lib"] == "dsparallel"]
         theirs = [x for x in r["rows"] if x["lib"] == "torch"]
         a = min(ours, key=lambda x: x["step_s"]["median"])
         b = min(theirs, key=lambda x: x["step_s"]["median"])
-        body.append(
-            [
-                f"pipeline step, {r['config']['ranks']} ranks, fastest schedule ({a['schedule']})",
-                f"torch.distributed.pipelining, fastest ({b['schedule']})",
-                ratio(a["step_s"], b["step_s"]),
-            ]
+        row_(
+            f"pipeline step, {r['config']['ranks']} ranks, fastest schedule ({a['schedule']})",
+            f"torch.distributed.pipelining, fastest ({b['schedule']})",
+            a["step_s"],
+            b["step_s"],
         )
     if r := first("tensor_parallel"):
-        row = r["rows"][-1]
-        body.append(
-            [
-                f"tensor-parallel block, hidden {row['hidden']}, 2 ranks",
-                'torch `parallelize_module` over "dsp"',
-                ratio(row["ours TP / dsp"], row["torch TP / dsp"]),
-            ]
+        x = r["rows"][-1]
+        row_(
+            f"tensor-parallel block, hidden {x['hidden']}, 2 ranks",
+            'torch `parallelize_module` over "dsp"',
+            x["ours TP / dsp"],
+            x["torch TP / dsp"],
         )
     if r := first("moe"):
         timed = [x for x in r["rows"] if x.get("world") == 2]
         if timed:
-            row = timed[-1]
-            body.append(
-                [
-                    f"MoE dispatch + combine, {row['tokens']} x {row['hidden']}, 2 ranks",
-                    "torch ops over gloo",
-                    ratio(row["ours / dsp"], row["torch / gloo"]),
-                ]
+            x = timed[-1]
+            row_(
+                f"MoE dispatch + combine, {x['tokens']} x {x['hidden']}, 2 ranks",
+                "torch ops over gloo",
+                x["ours / dsp"],
+                x["torch / gloo"],
             )
+    _end_to_end(first, row_)
     machines = sorted(
         {machine_line(f["machine"]).split(";")[0] for v in results.values() for f in v}
     )
     lines = [BEGIN]
-    lines += table(["measurement", "against", "our time / theirs (range)"], body)
+    lines += table(["measurement", "against", "our time / theirs (range)", "read"], body)
     lines.append(
         f"Measured on {'; '.join(machines)}; medians of at least five repeats"
         " ([docs/performance.md](docs/performance.md) has every table)."
     )
     lines.append(END)
     return "\n".join(lines)
+
+
+def _end_to_end(first, row_) -> None:
+    """Whole models, time per token: like for like (data parallel against
+    data parallel) and our best layout, against transformers + torch DDP at
+    its best; bf16 against transformers under autocast; the trainer
+    against the transformers Trainer; decoding against transformers."""
+
+    def fastest(rows):
+        return max(rows, key=lambda x: x["tokens_per_s"]["median"]) if rows else None
+
+    if r := first("models"):
+        plain = {"llama": "dp 4", "deepseek": "dp 4, ep 4"}  # like for like
+        for model, name in (("llama", "Llama"), ("deepseek", "DeepSeek-V3")):
+            rows = [x for x in r["rows"] if x["model"] == model]
+            theirs = fastest([x for x in rows if x["system"] == "baseline"])
+            ours = [x for x in rows if x["system"] == "dsparallel"]
+            same = next((x for x in ours if x["layout"] == plain[model]), None)
+            best = fastest(ours)
+            if not theirs:
+                continue
+            for x in [same] + ([best] if best is not same else []):
+                if x:
+                    row_(
+                        f"{name} training step, 4 ranks, {x['layout']}",
+                        "transformers + torch DDP, its best",
+                        per_token(x["tokens_per_s"]),
+                        per_token(theirs["tokens_per_s"]),
+                    )
+    if r := first("models_dtype"):
+        for model, name in (("llama", "Llama"), ("deepseek", "DeepSeek-V3")):
+            rows = [x for x in r["rows"] if x["model"] == model and x["seq"] == r["config"]["seq"]]
+            theirs = fastest([x for x in rows if x["system"] == "baseline"])
+            ours = fastest([x for x in rows if x["precision"] == "mixed bf16"])
+            if theirs and ours:
+                row_(
+                    f"{name} bf16 training step, 4 ranks, {ours['layout']}",
+                    "transformers + torch DDP under autocast, its best",
+                    per_token(ours["tokens_per_s"]),
+                    per_token(theirs["tokens_per_s"]),
+                )
+    if r := first("trainer"):
+        theirs = fastest([x for x in r["rows"] if x["system"] == "baseline"])
+        ours = fastest([x for x in r["rows"] if x["system"] == "dsparallel"])
+        if theirs and ours:
+            row_(
+                f"the trainer, 2 ranks, {ours['layout'].split(', ', 1)[-1]}",
+                "the transformers Trainer, its best",
+                per_token(ours["tokens_per_s"]),
+                per_token(theirs["tokens_per_s"]),
+            )
+    if r := first("inference"):
+        ours = _pick(r["rows"], system="ours, tp 2 (2 processes)")
+        rest = [x for x in r["rows"] if not x["system"].startswith("ours")]
+        theirs = min(rest, key=lambda x: x["batch1"]["latency_s"]["median"]) if rest else None
+        if ours and theirs:
+            row_(
+                "decoding, batch 1, tp 2",
+                f"the fastest other: {theirs['system']}",
+                ours["batch1"]["latency_s"],
+                theirs["batch1"]["latency_s"],
+            )
 
 
 def readme_with(table_text: str) -> str:
