@@ -15,8 +15,8 @@ never the whole tensor), ``split`` cuts a parameter back into pieces for
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 import torch
 
@@ -66,7 +66,7 @@ class Pad:
     tail: tuple[int, ...]  # the shape after dim 0
 
 
-Node = Union[Piece, Cat, Stack, Pad]
+Node = Piece | Cat | Stack | Pad
 
 
 def whole(key: str, shape) -> Piece:

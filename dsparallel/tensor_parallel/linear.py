@@ -8,7 +8,7 @@ of one they are ``F.linear`` and nothing else.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -3,7 +3,7 @@ down-projection; one all-reduce forward, one backward."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
