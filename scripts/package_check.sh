@@ -38,7 +38,7 @@ while read -r f; do
     missing=1
   fi
 done < <(git ls-files csrc dsparallel setup.py pyproject.toml dsparallel_autoload.py \
-  README.md LICENSE MANIFEST.in)
+  README.md CHANGELOG.md LICENSE MANIFEST.in)
 ((missing == 0)) || exit 1
 
 wheel="$(ls "$OUT"/dist/dsparallel-*.whl)"
