@@ -95,6 +95,15 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama4_dir(tmp_path_factory):
+    """Four layers: one for each stage at two stages a rank on two ranks."""
+    pytest.importorskip("transformers")
+    path = str(tmp_path_factory.mktemp("llama4"))
+    _save_hf(path, num_hidden_layers=4)
+    return path
+
+
+@pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory):
     pytest.importorskip("transformers")
     path = str(tmp_path_factory.mktemp("llama_tied"))
@@ -105,23 +114,33 @@ def tied_dir(tmp_path_factory):
 # ------------------------------------------------------------ per-token loss
 
 
+# Two stages a rank: "pp-<schedule>" runs it (DualPipeV over 4
+# micro-batches, a row each; the others over 2).
+MULTI_STAGE = {"pp-zbv": "zbv", "pp-dualpipev": "dualpipev", "pp-interleaved": "interleaved_1f1b"}
+
+
 def _per_token_body(rank, world, path, layout):
     """One step of the uneven batch at ``layout``: "pp" (2 stages, 2
     micro-batches under 1F1B), "dp-accum" (2 data-parallel ranks, each
-    accumulating its 2 rows as 2 steps under no_sync), "pp-dp" (both);
-    returns the loss this rank reports and every gradient."""
+    accumulating its 2 rows as 2 steps under no_sync), "pp-dp" (both), or a
+    schedule of ``MULTI_STAGE`` at pp 2; returns the loss this rank reports
+    and every gradient."""
     import contextlib
 
     import torch.distributed as dist
 
     import dsparallel
     from dsparallel.models import from_pretrained
-    from dsparallel.pipeline import Schedule1F1B
+    from dsparallel.train.step import pipeline_schedule, stage_layout
 
     ids, labels = _uneven_labels()
     pp = 2 if layout.startswith("pp") else 1
+    schedule_name = MULTI_STAGE.get(layout, "1f1b")
+    per_rank, placement = stage_layout(schedule_name)
     state = dsparallel.init_parallel(1, pp)
-    model = from_pretrained(path, state, dtype=torch.float64)
+    model = from_pretrained(
+        path, state, dtype=torch.float64, stages_per_rank=per_rank, stage_placement=placement
+    )
     dp = state.dp_size
     rows, rlabels = ids.chunk(dp)[state.dp_rank], labels.chunk(dp)[state.dp_rank]
     loss = None
@@ -130,13 +149,15 @@ def _per_token_body(rank, world, path, layout):
         def wrap(module):
             return dsparallel.DistributedDataParallel(module, process_group=state.dp_group)
 
-        stage = model.pipeline_stage(wrap=wrap if dp > 1 else None)
-        schedule = Schedule1F1B(stage, 2, loss_fn=model.loss_fn)
+        stages = model.pipeline_stages(wrap=wrap if dp > 1 else None)
+        micro = 4 if schedule_name == "dualpipev" else 2
+        schedule = pipeline_schedule(schedule_name, stages, micro, model.loss_fn)
         losses = []
         if model.is_first:
-            schedule.step(rows)
+            schedule.step(rows, target=rlabels if model.is_last else None, losses=losses)
         else:
             schedule.step(target=rlabels, losses=losses)
+        if model.is_last:
             loss = torch.stack(losses).mean()
     else:
         ddp = dsparallel.DistributedDataParallel(model)
@@ -157,8 +178,13 @@ def _per_token_body(rank, world, path, layout):
     return (None if loss is None else loss.item()), grads
 
 
-@pytest.mark.parametrize("layout,world", [("pp", 2), ("dp-accum", 2), ("pp-dp", 4)])
-def test_per_token_loss_equals_the_whole_batch_loss(llama_dir, layout, world):
+@pytest.mark.parametrize(
+    "layout,world",
+    [("pp", 2), ("dp-accum", 2), ("pp-dp", 4), *((k, 2) for k in MULTI_STAGE)],
+)
+def test_per_token_loss_equals_the_whole_batch_loss(llama_dir, llama4_dir, layout, world):
+    if layout in MULTI_STAGE:
+        llama_dir = llama4_dir
     ids, labels = _uneven_labels()
     hf = _hf_fp64(llama_dir)
     whole = _whole_batch_loss(hf, ids, labels)
