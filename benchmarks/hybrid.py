@@ -2,6 +2,7 @@
 without activation checkpointing: tokens/s and memory per rank, in one run.
 
     python benchmarks/hybrid.py [--steps 20] [--png docs/figures/hybrid.png]
+    python benchmarks/hybrid.py --replot benchmarks/results/hybrid-*.json --png ...  # redraw only
 
 Layouts: dp 4; tp 2 x dp 2; tp 2 x pp 2; pp 4 (1F1B, 4 micro-batches). Each
 configuration runs in fresh processes over "dsp". Reported per configuration:
@@ -20,6 +21,7 @@ rank:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -84,8 +86,8 @@ def _plot(rows, path):
 
     labels = [f"{r['layout']}{' +ckpt' if r['checkpoint'] else ''}" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.barh(labels, [r["tokens_per_s"]["median"] for r in rows], color="tab:blue")
-    a.set_xlabel("tokens/s")
+    a.barh(labels, [r["tokens_per_s"]["median"] / 1000 for r in rows], color="tab:blue")
+    a.set_xlabel("thousand tokens/s")
     a.invert_yaxis()
     b.barh(labels, [max(r["saved_mb"]) for r in rows], color="tab:orange")
     b.set_xlabel("peak MiB held for backward (largest rank)")
@@ -107,7 +109,12 @@ def main():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--png", help="e.g. docs/figures/hybrid.png")
+    ap.add_argument("--replot", help="draw --png from this results file instead of measuring")
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            _plot(json.load(f)["rows"], a.png)
+        return
     args = {k: getattr(a, k) for k in ("steps", "warmup", "hidden", "layers", "seq")}
     args.update(batch_size=a.batch_size, micro_batches=a.micro_batches)
     rows = []
