@@ -17,7 +17,9 @@ differ between the ranks of one expert-parallel group, so a second reducer
 averages them over the expert data-parallel group (the ranks holding the
 same experts) instead, scaled by 1/E: each one already sums the gradients of
 the E ranks whose tokens it served, so both kinds end up as the mean over
-all data-parallel ranks, as in one process on the global batch.
+all data-parallel ranks, as in one process on the global batch. (When the
+expert-parallel group spans the tensor-parallel ranks, those share one
+replica's loss: 1/(E / tp).)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from . import _C
 from .comm_hooks import bf16_compress_hook, fp16_compress_hook
 from .mixed_precision import MixedPrecision, policy_of
 from .mixed_precision import apply as mixed_precision_apply
-from .parallel_state import expert_dp_group_of
+from .parallel_state import expert_dp_group_of, get_parallel_state
 from .zero import ShardedBuffer
 
 _MB = 1024 * 1024
@@ -178,7 +180,9 @@ class DistributedDataParallel(nn.Module):
         self._expert_reducer = None
         if experts:
             self._expert_reducer = reducer(experts, self.expert_process_group, stage)
-            ep = dist.get_world_size(experts[0][1]._dsp_expert_group)
+            # Each expert's gradient already sums the tokens of the replicas
+            # routing to it: their mean is the data-parallel average.
+            ep = get_parallel_state().expert_replicas
             self._expert_scale_hooks = [p.register_hook(lambda g: g / ep) for _, p in experts]
         self._zero_buffers = []
         if zero_stage == 2:

@@ -19,7 +19,16 @@ ranks form an expert-parallel group (they split the routed experts of a
 mixture-of-experts layer between them), and the ranks at the same place in
 each such group form the expert data-parallel group, over which expert
 gradients are reduced (as Megatron and DeepSpeed lay them out, Megatron
-also across cp).
+also across cp). The tensor-parallel ranks then hold the same experts.
+
+With ``experts_over_tp=True`` the expert-parallel group also spans the
+tensor-parallel ranks (Megatron's expert parallelism folded over tp, with
+an expert tensor-parallel size of 1): E = tp x E' ranks, E' consecutive
+dp x cp ranks times their tp groups, split the routed experts, so no expert
+is replicated over tp and no expert gradient is reduced over it. The
+models then route each tensor-parallel rank's own part of the tokens
+(under sequence parallelism its part of the sequence; without it, its
+share of the rows it holds).
 """
 
 from __future__ import annotations
@@ -51,7 +60,8 @@ class ParallelState:
       different batches (expert parallelism runs inside them);
     - ``ep_group``, ``ep_rank``, ``ep_size``: expert parallelism (the group
       None at size 1); ``expert_dp_group``: the replicas of this rank's
-      experts, which average their gradients;
+      experts, which average their gradients; ``experts_over_tp``: the
+      expert-parallel group spans the tensor-parallel ranks;
     - ``cp_group``, ``cp_rank``, ``cp_size``: context parallelism (the group
       None at size 1); ``dp_cp_group``: the ranks whose gradients are
       averaged (dp x cp; ``dp_group`` when cp is 1).
@@ -76,6 +86,15 @@ class ParallelState:
     dp_cp_group: dist.ProcessGroup | None = None  # gradients' group; dp_group when cp is 1
     cp_rank: int = 0
     cp_size: int = 1
+    experts_over_tp: bool = False  # the ep group spans the tp ranks
+
+    @property
+    def expert_replicas(self) -> int:
+        """How many data-parallel replicas (each with its own loss) send
+        tokens to this rank's experts: the expert-parallel size, over the
+        tensor-parallel size when the group spans the tp ranks (which share
+        one replica's loss)."""
+        return self.ep_size // self.tp_size if self.experts_over_tp else self.ep_size
 
     def __repr__(self) -> str:
         return (
@@ -92,11 +111,17 @@ def init_parallel(
     *,
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    experts_over_tp: bool = False,
 ) -> ParallelState:
     """Builds the layout (initialising torch.distributed with ``backend``, by
     default "dsp" for CPU and "cpu:dsp,cuda:nccl" with CUDA, if not done yet)
     and makes its tensor-parallel group the default of the tensor-parallel
-    layers."""
+    layers.
+
+    ``expert_parallel_size`` is the number of ranks the routed experts are
+    split over: carved out of the data-parallel (x context-parallel) ranks,
+    or with ``experts_over_tp`` a multiple of the tensor-parallel size whose
+    groups span the tp ranks (see the module docstring)."""
     global _state, _we_initialised
     if _state is not None:
         raise RuntimeError("init_parallel was already called; call destroy_parallel first")
@@ -123,7 +148,16 @@ def init_parallel(
         )
     dp = world // (tp * pp * cp)
     ep = expert_parallel_size
-    if (dp * cp) % ep:
+    if not isinstance(experts_over_tp, bool):
+        raise ValueError(f"init_parallel: experts_over_tp must be a bool, got {experts_over_tp!r}")
+    if experts_over_tp and (ep % tp or (dp * cp) % (ep // tp)):
+        raise ValueError(
+            f"init_parallel: with experts_over_tp, expert_parallel_size ({ep}) must be the "
+            f"tensor-parallel size ({tp}) times a divisor of the data-parallel x "
+            f"context-parallel size ({dp} x {cp} = {dp * cp}): the expert-parallel group spans "
+            "whole tensor-parallel groups"
+        )
+    if not experts_over_tp and (dp * cp) % ep:
         if cp == 1:
             over = f"data-parallel size ({dp} = world {world} / (tp {tp} x pp {pp}))"
         else:
@@ -131,9 +165,12 @@ def init_parallel(
                 f"data-parallel x context-parallel size ({dp} x {cp} = {dp * cp}; dp = world "
                 f"{world} / (tp {tp} x pp {pp} x cp {cp}))"
             )
+        fold = ""
+        if tp > 1 and ep % tp == 0 and (dp * cp) % (ep // tp) == 0:
+            fold = " (or pass experts_over_tp=True to split the experts over the tp ranks too)"
         raise ValueError(
             f"init_parallel: expert_parallel_size ({ep}) must divide the {over}: "
-            "expert-parallel groups are carved out of those ranks"
+            f"expert-parallel groups are carved out of those ranks{fold}"
         )
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() != "dsp" else "cpu"
     if cp == 1:
@@ -164,7 +201,21 @@ def init_parallel(
             cp_size=cp,
             dp_cp_group=flat.get_group("dp_cp"),
         )
-    if ep > 1:
+    if experts_over_tp and ep > 1:
+        # (pp, edp, ep' x tp): the ep group is ep' consecutive dp x cp ranks'
+        # tp groups, the edp group the ranks at the same place in each.
+        experts = init_device_mesh(
+            device, (pp, dp * cp * tp // ep, ep), mesh_dim_names=("pp", "edp", "ep")
+        )
+        _state = dataclasses.replace(
+            _state,
+            ep_group=experts.get_group("ep"),
+            expert_dp_group=experts.get_group("edp"),
+            ep_rank=experts.get_local_rank("ep"),
+            ep_size=ep,
+            experts_over_tp=True,
+        )
+    elif ep > 1:
         experts = init_device_mesh(
             device, (pp, dp * cp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")
         )

@@ -24,12 +24,20 @@ best experts inside them; weights are the chosen scores (without the
 bias), renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``.
 Routed experts (SwiGLU) are split over the expert-parallel group and
 reached through the C++ dispatch/combine ops; the shared experts are one
-SwiGLU split over tensor parallelism. Experts are not split by tensor
-parallelism: every rank of a tensor-parallel group routes the same tokens
-(under sequence parallelism, its own part of them).
+SwiGLU split over tensor parallelism. By default the routed experts are
+replicated over tensor parallelism: every rank of a tensor-parallel group
+routes the same tokens (under sequence parallelism, its own part of them,
+the experts' gradients then summed over the group). With
+``init_parallel(experts_over_tp=True)`` the expert-parallel group spans the
+tp ranks and each routes only its own tokens: its part of the sequence
+under sequence parallelism, else its share of the rows every tp rank holds
+(split before the router, the routed output gathered after the combine),
+so no expert's work or gradient is repeated over tp.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -217,10 +225,11 @@ class Router(nn.Module):
             ),
         }
 
-    def forward(self, x: torch.Tensor, batch: int = 1):
+    def forward(self, x: torch.Tensor, batch: int = 1, valid: int | None = None):
         """x [tokens, hidden] (``batch`` sequences, sequence-major) ->
         (expert indices [tokens, top_k], weights float32, the balance loss
-        to train with or None)."""
+        to train with or None). Rows from ``valid`` on are padding: not
+        routed (index -1) nor counted."""
         scores = F.linear(x.float(), self.layout.shared(self.weight).float()).sigmoid()
         with torch.no_grad():
             choice = scores + self.e_score_correction_bias
@@ -234,14 +243,24 @@ class Router(nn.Module):
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        padded = valid is not None and valid < idx.shape[0]
         if self.training and torch.is_grad_enabled():
             # Recomputation counts every token twice, in every layer alike:
             # the sign rule, scale-free, moves the bias the same.
-            load = torch.bincount(idx.flatten(), minlength=self.experts).float()
+            load = torch.bincount(idx[:valid].flatten(), minlength=self.experts).float()
             self.pending_load = self.pending_load.to(load.device) + load
         balance = None
         if self.balance_loss_weight and self.training and torch.is_grad_enabled():
+            if padded or idx.shape[0] % batch:  # not whole positions of every sequence
+                raise ValueError(
+                    "DeepseekV3: the balance loss with experts_over_tp needs the tokens to split "
+                    f"evenly over the tensor-parallel ranks ({self.layout.tp_size}): make the "
+                    "sequence length a multiple of it"
+                )
             balance = self._balance_loss(scores, idx, batch)
+        if padded:
+            idx = idx.clone()
+            idx[valid:] = -1
         return idx, weights * self.scaling, balance
 
     def _balance_loss(self, scores: torch.Tensor, idx: torch.Tensor, batch: int):
@@ -302,6 +321,10 @@ class Experts(nn.Module):
             # Read by our DDP and ZeRO: reduced over the ranks holding the
             # same experts.
             p._dsp_expert_group = ep_group
+        # Under sequence parallelism the tensor-parallel ranks route
+        # different tokens through the same experts, whose gradients then
+        # add over tp; unless the experts are split over tp too.
+        self.summed_over_tp = layout.sp and not layout.experts_over_tp
         ex = [f"{prefix}.experts.{first + j}" for j in range(count)]
         shape = (ffn, h)
         self.hf_specs = {
@@ -318,9 +341,9 @@ class Experts(nn.Module):
 
     def forward(self, rows_: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
         """``rows_`` in blocks of ``chunks`` [(local expert, rows), ...]."""
-        # Under sequence parallelism the tensor-parallel ranks route
-        # different tokens through the same experts: their gradients add.
-        gate_up, down = self.layout.shared(self.gate_up), self.layout.shared(self.down)
+        gate_up, down = self.gate_up, self.down
+        if self.summed_over_tp:
+            gate_up, down = self.layout.shared(gate_up), self.layout.shared(down)
         return grouped_mlp(rows_, gate_up, down, chunks, "swiglu", transposed=True)
 
 
@@ -332,9 +355,14 @@ class DeepseekMoE(nn.Module):
         check_split("n_routed_experts", experts, layout.ep_size, "expert-parallel size")
         check_split("n_routed_experts", experts, cfg.n_group, "n_group")
         local = experts // layout.ep_size
-        self.ep_group = layout.ep_group
+        self.layout, self.ep_group = layout, layout.ep_group
         self.num_experts, self.top_k = experts, cfg.num_experts_per_tok
-        self.gate = Router(cfg, pre, layout)
+        # With the experts over tp each rank routes its own tokens: the
+        # router's weight gradient and its balance loss statistics are then
+        # summed over tp, as under sequence parallelism.
+        self.split_tokens = layout.experts_over_tp and not layout.sp
+        routing = dataclasses.replace(layout, sp=True) if layout.experts_over_tp else layout
+        self.gate = Router(cfg, pre, routing)
         self.experts = Experts(cfg, pre, layout.ep_rank * local, local, layout)
         self.shared_experts = SwiGLU(
             cfg.hidden_size,
@@ -346,17 +374,41 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        idx, weights, balance = self.gate(flat, batch=shape[1])
+        valid = None
+        if self.split_tokens:
+            flat, valid = self._my_rows(flat)
+        idx, weights, balance = self.gate(flat, batch=shape[1], valid=valid)
         weights = weights.to(x.dtype)
         if self.ep_group is not None:
             plan = Plan(idx, self.num_experts, self.ep_group)
             routed = combine(self.experts(dispatch(flat, plan), plan.chunks()), weights, plan)
         else:
             routed = self._local(flat, idx, weights)
+        if self.split_tokens:
+            routed = self._all_rows(routed, shape[0] * shape[1])
         out = routed.view(shape) + self.shared_experts(x)
         if balance is not None:  # trains the router as if added to the loss
             out = AddAuxLossGrad.apply(out, balance)
         return out
+
+    def _my_rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This tensor-parallel rank's share of the rows every rank holds
+        (zero rows pad them to a multiple of tp; a decoding step may have
+        fewer rows than ranks) and how many of them are real. The split's
+        backward all-gathers the rows' gradients."""
+        lay = self.layout
+        n, h = flat.shape
+        per = -(-n // lay.tp_size)
+        padded = F.pad(flat, (0, 0, 0, per * lay.tp_size - n))
+        mine = tp.scatter_to_tensor_parallel_region(padded.reshape(-1), lay.tp_group)
+        return mine.view(per, h), max(0, min(per, n - lay.tp_rank * per))
+
+    def _all_rows(self, mine: torch.Tensor, n: int) -> torch.Tensor:
+        """Every rank's routed rows, in order (the gather's backward keeps
+        this rank's share of the replicated gradient)."""
+        lay = self.layout
+        every = tp.gather_from_tensor_parallel_region(mine.reshape(-1), lay.tp_group)
+        return every.view(-1, mine.shape[1])[:n]
 
     def _local(self, x, idx, weights):
         """Every expert in this process: assignments sorted by expert, each

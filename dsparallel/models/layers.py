@@ -52,6 +52,9 @@ class Layout:
     ep_group: dist.ProcessGroup | None = None
     ep_size: int = 1
     ep_rank: int = 0
+    # The expert-parallel group spans the tensor-parallel ranks: each routes
+    # its own part of the tokens, and its experts are its own.
+    experts_over_tp: bool = False
     mesh: object = None
     # Context parallelism: each rank holds its part of every sequence
     # (dsparallel.context_parallel's load-balanced layout); attention runs
@@ -81,6 +84,7 @@ class Layout:
             ep_group=state.ep_group,
             ep_size=state.ep_size,
             ep_rank=state.ep_rank,
+            experts_over_tp=state.experts_over_tp and state.tp_size > 1,
             mesh=state.mesh,
             cp_group=state.cp_group,
             cp_size=state.cp_size,

@@ -98,6 +98,8 @@ class MoE(nn.Module):
         aux_loss_coeff: float = 0.0,
     ):
         super().__init__()
+        if group is None:
+            _refuse_experts_over_tp()
         self.group = group if group is not None else _default_group()
         size = dist.get_world_size(self.group) if self.group is not None else 1
         rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -208,6 +210,18 @@ class MoE(nn.Module):
         if self.training:
             self.dropped_total += self.last_dropped
         return flat.masked_fill(dropped, -1).view_as(idx)
+
+
+def _refuse_experts_over_tp() -> None:
+    from ..parallel_state import _state
+
+    if _state is not None and _state.experts_over_tp and _state.tp_size > 1:
+        raise NotImplementedError(
+            "MoE: init_parallel(experts_over_tp=True) splits the experts over the "
+            "tensor-parallel ranks, but this layer routes the tokens it is given, which every "
+            "tp rank holds alike; dsparallel.models.DeepseekV3 supports that layout, this layer "
+            "does not yet (leave experts_over_tp out, or pass group= explicitly)"
+        )
 
 
 def _default_group() -> dist.ProcessGroup | None:

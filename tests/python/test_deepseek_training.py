@@ -13,7 +13,10 @@ Ours: dp 2 (each rank half the sequences), tp 2 with sequence parallelism
 and cp 2 (each rank part of every sequence: the counts and score sums are
 summed over the group), ep 2, and pp 2 under 1F1B, interleaved 1F1B, ZBV
 and DualPipeV (two stages a rank, the last two in a V; each of the M
-micro-batches carries 1/M of the weight), DualPipeV also at pp 2 x ep 2.
+micro-batches carries 1/M of the weight), DualPipeV also at pp 2 x ep 2;
+and with the experts split over the tp ranks too (``experts_over_tp``,
+tp 2 x ep 2 and tp 2 x dp 2 x ep 4, with and without sequence
+parallelism).
 """
 
 from __future__ import annotations
@@ -101,6 +104,10 @@ LAYOUTS = {  # processes, tp, pp, ep, cp, sequence parallel, schedule
     "pp2-zbv": (2, 1, 2, 1, 1, False, "zbv"),
     "pp2-dualpipev": (2, 1, 2, 1, 1, False, "dualpipev"),
     "pp2-ep2-dualpipev": (4, 1, 2, 2, 1, False, "dualpipev"),
+    # experts_over_tp: the expert-parallel group spans the tp ranks
+    "tp2-ep2-fold": (2, 2, 1, 2, 1, False, "1f1b"),
+    "tp2-ep4-fold": (4, 2, 1, 4, 1, False, "1f1b"),
+    "tp2-sp-ep4-fold": (4, 2, 1, 4, 1, True, "1f1b"),
 }
 
 
@@ -111,7 +118,13 @@ def _step_body(rank, world, path, out, layout):
     from dsparallel.train.step import make_step, stage_layout
 
     _, tp, pp, ep, cp, sp, schedule = LAYOUTS[layout]
-    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
+    state = dsparallel.init_parallel(
+        tp,
+        pp,
+        expert_parallel_size=ep,
+        context_parallel_size=cp,
+        experts_over_tp=layout.endswith("-fold"),
+    )
     per_rank, placement = stage_layout(schedule)
     model = from_pretrained(
         path,

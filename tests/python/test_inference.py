@@ -91,12 +91,12 @@ def _generate_all(model, ref, kind):
     }
 
 
-def _layout_body(rank, world, tp, pp, ep, ref_path):
+def _layout_body(rank, world, tp, pp, ep, fold, ref_path):
     import dsparallel
     from dsparallel.models import from_pretrained
 
     ref = torch.load(ref_path)
-    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, experts_over_tp=fold)
     out = {}
     for kind, path in ref["dirs"].items():
         if ep > 1 and kind != "deepseek":
@@ -108,7 +108,17 @@ def _layout_body(rank, world, tp, pp, ep, ref_path):
     return out
 
 
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]
+# (tp, pp, ep, experts_over_tp): the last decodes 3 rows over 2 tp ranks,
+# each routing its share (one padded).
+LAYOUTS = [
+    (1, 1, 1, False),
+    (2, 1, 1, False),
+    (4, 1, 1, False),
+    (1, 2, 1, False),
+    (2, 2, 1, False),
+    (1, 1, 2, False),
+    (2, 1, 2, True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +129,15 @@ def one_process(reference):
     return {kind: _generate_all(from_pretrained(p), ref, kind) for kind, p in ref["dirs"].items()}
 
 
-@pytest.mark.parametrize("tp,pp,ep", LAYOUTS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in LAYOUTS])
-def test_generate_equals_transformers_at_every_layout(reference, one_process, tp, pp, ep):
+@pytest.mark.parametrize(
+    "tp,pp,ep,fold",
+    LAYOUTS,
+    ids=[f"tp{t}-pp{p}-ep{e}{'-over-tp' * f}" for t, p, e, f in LAYOUTS],
+)
+def test_generate_equals_transformers_at_every_layout(reference, one_process, tp, pp, ep, fold):
     ref, ref_path = reference
-    ranks = run_ranks(_layout_body, tp * pp * ep, tp, pp, ep, ref_path, timeout=240)
+    world = pp * ep if fold else tp * pp * ep
+    ranks = run_ranks(_layout_body, world, tp, pp, ep, fold, ref_path, timeout=240)
     for kind in ranks[0]:
         single = one_process[kind]
         for rank, got in enumerate(r[kind] for r in ranks):

@@ -163,7 +163,7 @@ def _per_expert(grads: dict) -> dict:
     return out
 
 
-def _layout_body(rank, world, tp, pp, ep, sp, ref_path, out_dir):
+def _layout_body(rank, world, tp, pp, ep, sp, ref_path, out_dir, fold=False):
     import torch.distributed as dist
 
     import dsparallel
@@ -171,7 +171,7 @@ def _layout_body(rank, world, tp, pp, ep, sp, ref_path, out_dir):
     from dsparallel.pipeline import Schedule1F1B
 
     ref = torch.load(ref_path)
-    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, experts_over_tp=fold)
     ids, mask = ref["ids"], ref["mask"]
     report = {}
     for kind, path in ref["dirs"].items():
@@ -207,9 +207,10 @@ def _layout_body(rank, world, tp, pp, ep, sp, ref_path, out_dir):
         if ep > 1:
             # Expert gradients already hold every rank's tokens (through
             # the dispatch backward); the others are summed over the ranks.
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=state.dp_group)
-            loss /= dp
+            if loss is not None:  # the last stage
+                loss = loss.detach().clone()
+                dist.all_reduce(loss, group=state.dp_group)
+                loss /= dp
             for p in model.parameters():
                 if not hasattr(p, "_dsp_expert_group"):
                     dist.all_reduce(p.grad, group=state.dp_group)
@@ -262,6 +263,30 @@ def test_hf_models_match_transformers_at_every_layout(reference, tmp_path, tp, p
         assert original.keys() == ours.keys(), sorted(original.keys() ^ ours.keys())[:5]
         for key, t in original.items():
             assert t.dtype == ours[key].dtype and torch.equal(t, ours[key]), key
+
+
+FOLDED = [
+    # (tp, pp, ep, sequence parallel) with experts_over_tp: ep spans the tp
+    # ranks, world = pp * dp * tp with dp = ep / tp
+    (2, 1, 2, False),
+    (2, 1, 2, True),
+    (2, 1, 4, False),
+    (2, 1, 4, True),
+    (2, 2, 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,ep,sp", FOLDED, ids=[f"tp{t}-pp{p}-ep{e}{'-sp' * s}" for t, p, e, s in FOLDED]
+)
+def test_deepseek_with_experts_over_tp_matches_transformers(reference, tmp_path, tp, pp, ep, sp):
+    """No expert is replicated over the tp ranks: each routes its own tokens."""
+    ref, ref_path = reference
+    run_ranks(_layout_body, pp * ep, tp, pp, ep, sp, ref_path, str(tmp_path), True, timeout=240)
+    original, ours = _tensors(ref["dirs"]["deepseek"]), _tensors(str(tmp_path / "deepseek"))
+    assert original.keys() == ours.keys(), sorted(original.keys() ^ ours.keys())[:5]
+    for key, t in original.items():
+        assert torch.equal(t, ours[key]), key
 
 
 def _context_parallel_body(rank, world, tp, pp, ep, cp, mode, sp, ref_path):
@@ -563,12 +588,13 @@ def _batches():
     return list((starts + 3 * torch.arange(SEQ)) % 96)
 
 
-def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False):
+def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False, fold=False):
     """(model, optimizer, step function) at one layout as examples/train_hf.py
     trains it (``make_trainer``), fp64 (so that layouts differ by rounding
     only), ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's FSDP2 over the
     data-parallel ranks, per decoder layer and the root), context
-    parallelism ``cp`` (gradients reduced over dp x cp). The step returns
+    parallelism ``cp`` (gradients reduced over dp x cp), ``fold``: the
+    experts split over the tp ranks too (``experts_over_tp``). The step returns
     the mean loss over the ranks that computed one."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from train_hf import make_trainer
@@ -576,7 +602,9 @@ def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False):
     import dsparallel
     from dsparallel.models import from_pretrained
 
-    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
+    state = dsparallel.init_parallel(
+        tp, pp, expert_parallel_size=ep, context_parallel_size=cp, experts_over_tp=fold
+    )
     model = from_pretrained(path, state, dtype=torch.float64, checkpoint=recompute, cp_mode=cp_mode)
     if zero == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -625,6 +653,9 @@ RESUMES = [
     ("deepseek", (2, 1, 2, 1), (1, 2, 1, 0)),
     ("llama", (2, 1, 1, 2, 2, "ulysses"), (1, 2, 1, 0, 2, "ring")),
     ("deepseek", (1, 1, 2, 1, 2, "ring"), (2, 1, 1, 0)),
+    # experts_over_tp (the experts over tp x dp) to and from experts replicated over tp
+    ("deepseek", (2, 1, 4, 2, 1, "ring", False, True), (2, 1, 2, 1)),
+    ("deepseek", (2, 1, 2, 0), (2, 1, 2, 1, 1, "ring", False, True)),
 ]
 
 

@@ -228,6 +228,21 @@ def _bad_input_body(rank, world):
         lambda: dsparallel.init_parallel(expert_parallel_size=3),
         "expert_parallel_size (3) must divide the data-parallel size (4",
     )
+    expect(
+        ValueError,
+        lambda: dsparallel.init_parallel(2, expert_parallel_size=4),
+        "must divide the data-parallel size (2",
+        "pass experts_over_tp=True",
+    )
+    expect(
+        ValueError,
+        lambda: dsparallel.init_parallel(2, expert_parallel_size=3, experts_over_tp=True),
+        "with experts_over_tp, expert_parallel_size (3) must be the tensor-parallel size (2)",
+    )
+    # Our MoE layer routes the tokens it is given (alike on every tp rank).
+    dsparallel.init_parallel(2, expert_parallel_size=4, experts_over_tp=True)
+    expect(NotImplementedError, lambda: MoE(H, FFN, 4, 1), "experts_over_tp=True")
+    dsparallel.destroy_parallel()
     return True
 
 
