@@ -100,6 +100,11 @@ def main() -> None:
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--pipeline-parallel", type=int, default=1)
     p.add_argument("--expert-parallel", type=int, default=1)
+    p.add_argument(
+        "--experts-over-tp",
+        action="store_true",
+        help="the expert-parallel group spans the tp ranks (--expert-parallel a multiple of tp)",
+    )
     p.add_argument("--context-parallel", type=int, default=1)
     p.add_argument("--cp-mode", choices=["ring", "ulysses"], default="ring")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -127,6 +132,7 @@ def main() -> None:
         args.pipeline_parallel,
         expert_parallel_size=args.expert_parallel,
         context_parallel_size=args.context_parallel,
+        experts_over_tp=args.experts_over_tp,
     )
     rank = dist.get_rank()
     model = build_model(args.model, state, args)

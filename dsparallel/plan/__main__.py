@@ -79,6 +79,8 @@ def _command(e, model_arg: str, model, seq: int, global_batch: int, devices_per_
         parts.append(f"--dtype {lay.dtype}")
     if lay.ep > 1:
         parts.append(f"--expert-parallel {lay.ep}")
+    if lay.experts_over_tp:
+        parts.append("--experts-over-tp")
     if lay.cp > 1:
         parts.append(f"--context-parallel {lay.cp} --cp-mode {lay.cp_mode}")
     if lay.zero:
@@ -90,7 +92,7 @@ def _command(e, model_arg: str, model, seq: int, global_batch: int, devices_per_
 
 def _table(rows, cluster) -> str:
     head = (
-        "tp pp dp ep cp  zero  schedule          rc sp  mb x n   "
+        "tp pp dp  ep cp  zero  schedule          rc sp  mb x n   "
         "params  grads  optim  activ  total GB |  compute   comm  bubble  optim  step ms | "
         "tokens/s    MFU"
     )
@@ -98,7 +100,8 @@ def _table(rows, cluster) -> str:
     for e in rows:
         lay, mem, t = e.layout, e.memory, e.time
         lines.append(
-            f"{lay.tp:2} {lay.pp:2} {lay.dp:2} {lay.ep:2} {lay.cp:2}  {lay.zero:4}  "
+            f"{lay.tp:2} {lay.pp:2} {lay.dp:2} {lay.ep:2}{'t' if lay.experts_over_tp else ' '} "
+            f"{lay.cp:2}  {lay.zero:4}  "
             f"{lay.schedule if lay.pp > 1 else '-':16}  {'y' if lay.recompute else 'n':2} "
             f"{'y' if lay.sequence_parallel else 'n':2} "
             f"{lay.micro_batch:3} x{lay.micro_batches:3}  "
@@ -119,7 +122,8 @@ def _png(rows, path: str) -> None:
 
     kinds = ("params", "grads", "optimizer", "activations")
     labels = [
-        f"tp{e.layout.tp} pp{e.layout.pp} dp{e.layout.dp} ep{e.layout.ep} cp{e.layout.cp} "
+        f"tp{e.layout.tp} pp{e.layout.pp} dp{e.layout.dp} ep{e.layout.ep}"
+        f"{'t' if e.layout.experts_over_tp else ''} cp{e.layout.cp} "
         f"z{e.layout.zero}{' rc' if e.layout.recompute else ''}"
         for e in rows
     ]
@@ -191,7 +195,8 @@ def main(argv=None) -> int:
             lay = smallest.layout
             print(
                 f"The least memory: {smallest.memory['total'] / GB:.1f} GB on the most loaded "
-                f"rank (tp {lay.tp} pp {lay.pp} dp {lay.dp} ep {lay.ep} cp {lay.cp}, ZeRO "
+                f"rank (tp {lay.tp} pp {lay.pp} dp {lay.dp} ep {lay.ep}"
+                f"{' over tp' if lay.experts_over_tp else ''} cp {lay.cp}, ZeRO "
                 f"{lay.zero}{', recomputed' if lay.recompute else ''}): more devices, or a "
                 "smaller batch or sequence, are needed."
             )

@@ -178,7 +178,7 @@ def _deepseek_layer(m: Model, lay: Layout, index: int, tokens: float, seq: float
     else:
         k, experts = g("num_experts_per_tok"), g("n_routed_experts")
         mffn = g("moe_intermediate_size")
-        sigma = t if lay.sequence_parallel else 1
+        sigma = t if lay.tokens_split_for_experts else 1
         # The routed experts' gate/up only (the grouped GEMM recomputes silu
         # and the product); the shared experts' gate, up, silu and product.
         mlp = k * (3 * h + 2 * mffn) / sigma + 4 * mffn * g("n_shared_experts", 1) / t

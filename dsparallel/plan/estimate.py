@@ -167,12 +167,23 @@ def _stage_costs(m, lay, cluster, links, stage, seq, comm):
                 comm["cp"] += 8 * (c - 1) / c * act / t * c
         if _moe(m, i):
             k = m.config.moe_top_k if m.kind == "gpt" else m.get("num_experts_per_tok")
-            rows = k * act
+            # Each rank dispatches its own tokens: 1/t of them when they are
+            # split over tp (sequence parallelism, or the experts over tp,
+            # whose group then has stride 1).
+            split = t if lay.tokens_split_for_experts else 1
+            rows = k * act / split
             if e > 1:
-                a2a = links.gather(rows, t, e)
+                a2a = links.gather(rows, 1 if lay.experts_over_tp else t, e)
                 fwd_comm += 2 * a2a
                 bwd_comm += 2 * a2a
                 comm["ep"] += 4 * (e - 1) / e * rows
+            if lay.experts_over_tp and not lay.sequence_parallel and t > 1:
+                # The routed rows gathered back over tp (forward), the
+                # split's gradient gathered (backward).
+                ag = links.gather(act, 1, t)
+                fwd_comm += ag
+                bwd_comm += ag
+                comm["tp"] += 2 * (t - 1) / t * act
     if stage == lay.num_stages - 1:
         fwd_compute += tokens * head_flops(m, lay) / rate
         ops += OPS["head"]
@@ -311,7 +322,7 @@ def estimate(
     expert_bytes = sum(t.numel for t in dense if t.expert) * lay.dtype_bytes
     replicas = lay.dp * lay.cp
     grads_time = 0.0
-    for nbytes, n in ((grad_bytes, replicas), (expert_bytes, replicas // lay.ep)):
+    for nbytes, n in ((grad_bytes, replicas), (expert_bytes, replicas // lay.expert_split)):
         if n > 1 and nbytes:
             # Stage 0 and 1: our DDP all-reduces the gradients; stage 2
             # reduce-scatters them. ZeRO then all-gathers the parameters.
@@ -328,7 +339,7 @@ def estimate(
     if lay.zero:
         params_here = sum(t.numel for t in dense if not t.expert) / replicas + sum(
             t.numel for t in dense if t.expert
-        ) / max(1, replicas // lay.ep)
+        ) / max(1, replicas // lay.expert_split)
     optimizer = params_here * cluster.optimizer_per_param
 
     total = pipeline + grads_time + optimizer

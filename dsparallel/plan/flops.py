@@ -63,6 +63,8 @@ def layer_flops(m: Model, lay: Layout, index: int, seq: int) -> float:
     else:
         mffn, k = g("moe_intermediate_size"), g("num_experts_per_tok")
         mlp = 2 * h * g("n_routed_experts") + k * 6 * h * mffn
+        if lay.tokens_split_for_experts:  # each tp rank routes its own tokens
+            mlp /= t
         mlp += 6 * h * mffn * g("n_shared_experts", 1) / t
     return q + kv + o + attention + mlp
 

@@ -15,7 +15,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    ep: int = 1  # carved out of dp x cp, as init_parallel does
+    ep: int = 1  # carved out of dp x cp, as init_parallel does (or tp x dp x cp:)
+    experts_over_tp: bool = False  # the expert-parallel group spans the tp ranks
     cp: int = 1
     zero: int = 0  # 0, 1 or 2 (dsparallel's ZeroRedundancyOptimizer, DDP zero_stage=2)
     schedule: str = "1f1b"
@@ -37,8 +38,23 @@ class Layout:
             dp=state.dp_size,
             ep=state.ep_size,
             cp=state.cp_size,
+            experts_over_tp=state.experts_over_tp and state.tp_size > 1,
             **choices,
         )
+
+    @property
+    def expert_split(self) -> int:
+        """How many data-parallel (x cp) replicas one expert-parallel group
+        spans: ep, or ep / tp when the group spans the tp ranks. The expert
+        data-parallel group (the replicas of one rank's experts) is dp x cp
+        over it."""
+        return self.ep // self.tp if self.experts_over_tp else self.ep
+
+    @property
+    def tokens_split_for_experts(self) -> bool:
+        """Each tp rank routes only its own part of the tokens (sequence
+        parallelism, or the experts split over tp)."""
+        return self.tp > 1 and (self.sequence_parallel or self.experts_over_tp)
 
     @property
     def world(self) -> int:
@@ -75,7 +91,12 @@ class Layout:
                 f"plan: tp {self.tp} x pp {self.pp} x dp {self.dp} x cp {self.cp} = "
                 f"{self.world} ranks, but the cluster has {world} devices"
             )
-        if (self.dp * self.cp) % self.ep:
+        if self.experts_over_tp and (self.ep % self.tp or (self.dp * self.cp) % self.expert_split):
+            raise ValueError(
+                f"plan: with experts over tp, ep {self.ep} must be tp {self.tp} times a divisor "
+                f"of dp x cp = {self.dp * self.cp}"
+            )
+        if not self.experts_over_tp and (self.dp * self.cp) % self.ep:
             raise ValueError(
                 f"plan: ep {self.ep} must divide dp x cp = {self.dp * self.cp} (expert-parallel "
                 "groups are carved out of those ranks)"

@@ -92,8 +92,8 @@ def model_state(
     params = sum(t.numel * _bytes(t, lay) for t in tensors)
     replicas = lay.dp * lay.cp
     replica = dp_rank * lay.cp + cp_rank  # the rank in dp_cp_group
-    expert_replicas = replicas // lay.ep
-    expert_replica = replica // lay.ep  # the rank in the expert data-parallel group
+    expert_replicas = replicas // lay.expert_split
+    expert_replica = replica // lay.expert_split  # the rank in the expert data-parallel group
     if lay.zero == 0:
         moments = sum(2 * t.numel * _bytes(t, lay) + STEP_BYTES for t in tensors)
         return ModelState(params, params, moments)

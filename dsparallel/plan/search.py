@@ -22,8 +22,8 @@ def _experts(m: Model) -> int:
 
 def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str):
     """The layouts worth estimating: tp within a host, pp up to the layers,
-    cp and ep where they apply, ZeRO 0-2, recomputation on and off,
-    sequence parallelism with tp, the 1F1B, interleaved and ZBV schedules
+    cp and ep where they apply (the experts over the tp ranks too), ZeRO
+    0-2, recomputation on and off, sequence parallelism with tp, the 1F1B, interleaved and ZBV schedules
     under pp (Llama and DeepSeek-V3 build one stage per rank, which
     examples/train_hf.py runs under 1F1B: that one for them), micro-batches
     of 1, 2 or 4 sequences."""
@@ -37,9 +37,15 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
         dp = world // (tp * pp * cp)
         if global_batch % dp:
             continue
-        eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
+        # (ep, over tp): carved out of dp x cp, or spanning the tp ranks too.
+        eps = [(e, False) for e in _divisors(dp * cp) if experts and experts % e == 0]
+        if tp > 1:
+            eps += [
+                (tp * e, True) for e in _divisors(dp * cp) if experts and experts % (tp * e) == 0
+            ]
+        eps = eps or [(1, False)]
         schedules = ["1f1b"] if pp == 1 or m.kind != "gpt" else ["1f1b", "interleaved_1f1b", "zbv"]
-        for ep, zero, recompute, schedule, mb in itertools.product(
+        for (ep, over_tp), zero, recompute, schedule, mb in itertools.product(
             eps, (0, 1, 2), (False, True), schedules, (1, 2, 4)
         ):
             if (global_batch // dp) % mb:
@@ -58,6 +64,7 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
                 pp=pp,
                 dp=dp,
                 ep=ep,
+                experts_over_tp=over_tp,
                 cp=cp,
                 zero=zero,
                 schedule=schedule,

@@ -40,6 +40,9 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
+    # The expert-parallel group spans the tensor-parallel ranks (expert a
+    # multiple of tensor): no routed expert replicated over tp.
+    experts_over_tp: bool = False
     context: int = 1  # data parallel is what is left of the world
     cp_mode: str = "ring"  # ring | ulysses
     sequence_parallel: bool = False

@@ -73,6 +73,7 @@ class Trainer:
             par.pipeline,
             expert_parallel_size=par.expert,
             context_parallel_size=par.context,
+            experts_over_tp=par.experts_over_tp,
         )
         self.rank = dist.get_rank()
         if self.rank == 0 and cfg.metrics.progress:

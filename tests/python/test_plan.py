@@ -137,6 +137,8 @@ HF_LAYOUTS = [
     ("llama", 2, 2, 1, 1, 0, "bfloat16", {"recompute": True}),
     ("deepseek", 2, 1, 1, 1, 0, "float32", {"sequence_parallel": True, "recompute": True}),
     ("deepseek", 4, 1, 1, 1, 0, "float32", {"sequence_parallel": True}),
+    ("deepseek", 2, 1, 4, 1, 1, "float32", {"experts_over_tp": True}),
+    ("deepseek", 2, 1, 2, 1, 2, "bfloat16", {"experts_over_tp": True, "sequence_parallel": True}),
 ]
 
 
@@ -159,7 +161,13 @@ def _hf_body(rank, world, layouts):
         sp, recompute = options.get("sequence_parallel", False), options.get("recompute", False)
         cls = DeepseekV3 if kind == "deepseek" else Llama
         config = dict(MODELS[kind], model_type=cls.model_type)
-        state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
+        state = dsparallel.init_parallel(
+            tp,
+            pp,
+            expert_parallel_size=ep,
+            context_parallel_size=cp,
+            experts_over_tp=options.get("experts_over_tp", False),
+        )
         model = cls(
             config,
             state,
