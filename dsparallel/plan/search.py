@@ -23,8 +23,8 @@ def _experts(m: Model) -> int:
 def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str):
     """The layouts worth estimating: tp within a host, pp up to the layers,
     cp and ep where they apply (the experts over the tp ranks too), ZeRO
-    0-2, recomputation on and off, sequence parallelism with tp, the 1F1B, interleaved and ZBV schedules
-    under pp (Llama and DeepSeek-V3 build one stage per rank, which
+    0-2, recomputation on and off, sequence parallelism with tp, the 1F1B,
+    interleaved and ZBV schedules under pp (Llama and DeepSeek-V3 build one stage per rank, which
     examples/train_hf.py runs under 1F1B: that one for them), micro-batches
     of 1, 2 or 4 sequences."""
     world = cluster.devices
