@@ -67,7 +67,8 @@ DEEPSEEK = dict(
     topk_group=2,
     max_position_embeddings=1024,
 )
-# (name, tp, pp, ep, sequence parallel) of our layouts on 4 processes.
+# (name, tp, pp, ep, sequence parallel[, experts over tp]) of our layouts on
+# 4 processes.
 OURS = {
     "llama": [
         ("dp 4", 1, 1, 1, False),
@@ -82,6 +83,10 @@ OURS = {
         ("tp 2 x dp 2, ep 2, sequence parallel", 2, 1, 2, True),
         ("tp 4", 4, 1, 1, False),
         ("tp 4, sequence parallel", 4, 1, 1, True),
+        ("tp 2 x dp 2, ep 4 over tp", 2, 1, 4, False, True),
+        ("tp 2 x dp 2, ep 4 over tp, sequence parallel", 2, 1, 4, True, True),
+        ("tp 4, ep 4 over tp", 4, 1, 4, False, True),
+        ("tp 4, ep 4 over tp, sequence parallel", 4, 1, 4, True, True),
     ],
 }
 
@@ -114,7 +119,21 @@ def _measure(step, batches, args) -> dict:
     return {"tokens_per_s": stats(tokens / t for t in seconds), "peak_rss_mb": peak.item()}
 
 
-def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused=False, zero=False):
+def _ours(
+    rank,
+    world,
+    kind,
+    tp,
+    pp,
+    ep,
+    sp,
+    path,
+    args,
+    precision="fp32",
+    fused=False,
+    zero=False,
+    over_tp=False,
+):
     import torch
 
     import dsparallel
@@ -122,7 +141,7 @@ def _ours(rank, world, kind, tp, pp, ep, sp, path, args, precision="fp32", fused
     from dsparallel.pipeline import Schedule1F1B
 
     torch.set_num_threads(1)
-    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep)
+    state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, experts_over_tp=over_tp)
     kwargs = {
         "fp32": {"dtype": torch.float32},
         "mixed bf16": {"mixed_precision": dsparallel.MixedPrecision()},
@@ -394,8 +413,22 @@ def main():
                 r = run_ranks(_transformers, 4, kind, paths[kind], options, experts, args)
                 rows.append({"model": kind, "system": "baseline", "layout": name, **r})
                 print(rows[-1]["layout"], f"{r['tokens_per_s']['median']:.0f} tokens/s")
-            for name, tp, pp, ep, sp in OURS[kind]:
-                r = run_ranks(_ours, 4, kind, tp, pp, ep, sp, paths[kind], args)
+            for name, tp, pp, ep, sp, *over_tp in OURS[kind]:
+                r = run_ranks(
+                    _ours,
+                    4,
+                    kind,
+                    tp,
+                    pp,
+                    ep,
+                    sp,
+                    paths[kind],
+                    args,
+                    "fp32",
+                    False,
+                    False,
+                    *over_tp,
+                )
                 rows.append({"model": kind, "system": "dsparallel", "layout": name, **r})
                 print(kind, name, f"{r['tokens_per_s']['median']:.0f} tokens/s")
         loads = run_ranks(_load_memory, 4, paths["llama"])
