@@ -58,9 +58,22 @@ def machine() -> dict:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        # Results and figures are what a run writes; anything else changed
-        # means the code measured is not the commit's.
-        changed = git("status", "--porcelain", "--", ".", ":!benchmarks/results", ":!docs/figures")
+        # A change to what runs (the package, its C++, the benchmarks, the
+        # build) means the code measured is not the commit's; results,
+        # figures, docs and tests do not run here.
+        changed = git(
+            "status",
+            "--porcelain",
+            "--",
+            "dsparallel",
+            "csrc",
+            "benchmarks",
+            "examples",
+            "setup.py",
+            "CMakeLists.txt",
+            "pyproject.toml",
+            ":!benchmarks/results",
+        )
         commit += "+changes" if changed else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"

@@ -24,6 +24,9 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PERFORMANCE = os.path.join(ROOT, "docs", "performance.md")
 README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- performance table: begin -->", "<!-- performance table: end -->"
+MODELS_GUIDE = os.path.join(ROOT, "docs", "guides", "models.md")
+DEEPSEEK_BEGIN = "<!-- deepseek layouts: begin -->"
+DEEPSEEK_END = "<!-- deepseek layouts: end -->"
 
 
 # --- formatting -------------------------------------------------------------
@@ -400,6 +403,42 @@ def _fastest_baseline(rows):
     )
 
 
+def _model_table(r, kind: str) -> list[str]:
+    """One model's rows of a models result: tokens/s, the ratio to the best
+    baseline, peak RSS."""
+    rows = [x for x in r["rows"] if x["model"] == kind]
+    base = _fastest_baseline(rows)
+    body = [
+        [
+            x["system"],
+            x["layout"],
+            t(x["tokens_per_s"]),
+            ratio(x["tokens_per_s"], base["tokens_per_s"]),
+            f"{x['peak_rss_mb']:.0f}",
+        ]
+        for x in rows
+    ]
+    return table(["system", "layout", "tokens/s", "/ best baseline", "peak RSS MiB"], body)
+
+
+def deepseek_layouts(results) -> str:
+    """The DeepSeek-V3 layouts' rows for the models guide."""
+    (r,) = results["models"][:1]
+    cfg = r["config"]
+    lines = [
+        DEEPSEEK_BEGIN,
+        "",
+        f"Measured (`{r['file']}`; {machine_line(r['machine'])}): DeepSeek-V3 of about",
+        f"100M parameters trained with AdamW on 4 processes, global batch {cfg['batch']} x",
+        f"{cfg['seq']} tokens; ratios against the fastest `transformers` + torch DDP run.",
+        "",
+        *_model_table(r, "deepseek"),
+        "",
+        DEEPSEEK_END,
+    ]
+    return "\n".join(lines)
+
+
 def _models(r):
     cfg = r["config"]
     lines = [
@@ -410,20 +449,8 @@ def _models(r):
         "",
     ]
     for kind in ("llama", "deepseek"):
-        rows = [x for x in r["rows"] if x["model"] == kind]
-        base = _fastest_baseline(rows)
-        body = [
-            [
-                x["system"],
-                x["layout"],
-                t(x["tokens_per_s"]),
-                ratio(x["tokens_per_s"], base["tokens_per_s"]),
-                f"{x['peak_rss_mb']:.0f}",
-            ]
-            for x in rows
-        ]
         lines += [f"**{kind}**", ""]
-        lines += table(["system", "layout", "tokens/s", "/ best baseline", "peak RSS MiB"], body)
+        lines += _model_table(r, kind)
     load = cfg.get("load_memory_tp4")
     if load:
         lines += [
@@ -1093,14 +1120,16 @@ def _end_to_end(first, row_) -> None:
             )
 
 
-def readme_with(table_text: str) -> str:
-    with open(README) as f:
+def with_block(path: str, begin: str, end: str, block: str) -> str:
+    """The file at ``path`` with its ``begin`` ... ``end`` block replaced by
+    ``block`` (which carries the markers)."""
+    with open(path) as f:
         text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return head + table_text + tail
+    if begin not in text or end not in text:
+        raise SystemExit(f"{os.path.relpath(path, ROOT)} has no {begin} ... {end} block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + block + tail
 
 
 def main():
@@ -1108,7 +1137,13 @@ def main():
     ap.add_argument("--check", action="store_true", help="compare instead of writing")
     args = ap.parse_args()
     results = load()
-    outputs = {PERFORMANCE: performance_md(results), README: readme_with(headline(results))}
+    outputs = {
+        PERFORMANCE: performance_md(results),
+        README: with_block(README, BEGIN, END, headline(results)),
+        MODELS_GUIDE: with_block(
+            MODELS_GUIDE, DEEPSEEK_BEGIN, DEEPSEEK_END, deepseek_layouts(results)
+        ),
+    }
     stale = []
     for path, text in outputs.items():
         with open(path) as f:
