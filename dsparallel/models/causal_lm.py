@@ -163,6 +163,11 @@ class CausalLM(nn.Module):
                     self._copies.add("lm_head.weight")
         if self.tied and self.num_stages > 1 and self.stage_owner(self.num_stages - 1) != 0:
             self._tied_group = _first_last_stage_group(lay)
+        # Checkpoint keys saved twice: key -> the other keys it is also
+        # written under (DeepSeek's MTP layer keeps copies of the embedding
+        # and the LM head).
+        self.saved_twice: dict[str, list[str]] = {}
+        self.make_extras()
         # to_empty makes new Parameters (meta -> cpu): carry over the marks
         # our DDP, ZeRO and dtype handling read.
         marks = {n: _dsp_marks(p) for n, p in self.named_parameters()}
@@ -183,8 +188,25 @@ class CausalLM(nn.Module):
     def check(self, cfg) -> None:
         pass
 
+    @classmethod
+    def checkpoint_options(cls, config: dict, weight_map: dict) -> dict:
+        """Constructor arguments a checkpoint implies (``from_pretrained``
+        passes them unless given): none by default."""
+        return {}
+
     def make_layer(self, index: int) -> nn.Module:
         raise NotImplementedError
+
+    def make_extras(self) -> None:
+        """Modules past the decoder layers, built with the rest (on the
+        meta device, filled from the checkpoint): DeepSeek-V3's
+        multi-token prediction. None by default."""
+
+    def extra_loss(self, h, input_ids, labels, position_ids, mask, num_items):
+        """A training objective added to the loss of a forward with labels
+        in training mode, from the last layer's output ``h`` and the whole
+        sequences' ``input_ids`` (None: none)."""
+        return None
 
     def make_rotary(self):
         raise NotImplementedError
@@ -240,6 +262,7 @@ class CausalLM(nn.Module):
         lay = self.layout
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
+        whole_ids = input_ids
         if lay.cp_size > 1:
             input_ids, position_ids, mask = self._shard(input_ids, position_ids, attention_mask)
         else:
@@ -253,7 +276,14 @@ class CausalLM(nn.Module):
             )
         if lay.pp_size == 1:
             h = self.run_layers(self.embed(input_ids, position_ids), position_ids, mask)
-            return self._output(h, labels, return_logits, num_items_in_batch)
+            out = self._output(h, labels, return_logits, num_items_in_batch)
+            if labels is not None and self.training and torch.is_grad_enabled():
+                extra = self.extra_loss(
+                    h, whole_ids, labels, position_ids, mask, num_items_in_batch
+                )
+                if extra is not None:
+                    out.loss = out.loss + extra
+            return out
         with torch.no_grad():
             return self._pipelined(
                 input_ids, labels, position_ids, mask, return_logits, num_items_in_batch
@@ -306,10 +336,10 @@ class CausalLM(nn.Module):
                 h = layer(h, cos, sin, mask)
         return h
 
-    def vocab_parallel_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def vocab_parallel_logits(self, h: torch.Tensor, norm: nn.Module | None = None):
         """This rank's vocabulary slice of the logits [seq, batch, vocab / tp]
-        of the last stage."""
-        h = self.norm(h)
+        of the last stage (after ``norm``, by default the final norm)."""
+        h = (norm or self.norm)(h)
         if self._head_is_embedding:
             # Read outside the embedding's forward: no cast copy there.
             w = self.embed_tokens.weight.to(h.dtype)
@@ -511,6 +541,13 @@ class CausalLM(nn.Module):
                 "and gradients with ZeRO (DistributedDataParallel(zero_stage=2) and "
                 "ZeroRedundancyOptimizer) instead"
             )
+        if getattr(self, "mtp_depth", 0) and self.training:
+            raise NotImplementedError(
+                f"{type(self).__name__}.pipeline_stages: the pipeline schedules do not train "
+                "multi-token prediction yet (its last stage would need the token ids); load "
+                "the model with mtp_depth=0 (the trainer: [model] mtp_depth = 0) to train it "
+                "without, or train MTP at pipeline size 1"
+            )
         wrap = wrap or (lambda module: module)
         return [
             PipelineStage(wrap(_Stage(self, s)), s, self.num_stages, group=lay.pp_group)
@@ -600,7 +637,14 @@ class CausalLM(nn.Module):
             t = self._tensor(name)
             if grads:
                 t = t.grad if t.grad is not None else torch.zeros_like(t)
-            out.extend((piece, b.detach().cpu().clone()) for piece, b in split(node, t))
+            for piece, b in split(node, t):
+                b = b.detach().cpu().clone()
+                out.append((piece, b))
+                if not grads:
+                    out.extend(
+                        (dataclasses.replace(piece, key=k), b)
+                        for k in self.saved_twice.get(piece.key, ())
+                    )
         return out
 
     def save_pretrained(self, path: str) -> None:

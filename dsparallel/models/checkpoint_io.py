@@ -72,6 +72,7 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
         dtype = dtype or torch.float32  # the masters; the policy casts for compute
     elif dtype is None:
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
+    kwargs = {**classes[kind].checkpoint_options(config, weight_map), **kwargs}
     model = classes[kind](config, state, dtype=dtype, _initialize=False, **kwargs)
     reader = _Reader(path, weight_map, block)
     try:
@@ -148,8 +149,10 @@ def _agree(model, weight_map, used, error, path) -> None:
     """Every rank learns whether any rank failed to read its part (a
     tensor only another stage reads can be the bad one), and whether every
     checkpoint tensor was read by some rank, except the layers past
-    ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer, as
-    ``transformers`` drops it); each raises the same error."""
+    ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layers
+    when the model is built without them, as ``transformers`` drops them,
+    and the copies of the embedding and LM head they hold); each raises
+    the same error."""
     raise_if_any_failed(error, "from_pretrained")
     everyone = [used]
     if model.layout.mesh is not None:

@@ -44,7 +44,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import context_parallel
 from .. import tensor_parallel as tp
+from ..checkpoint import checkpoint as recompute
 from ..moe.layer import AddAuxLossGrad
 from ..moe.ops import Plan, combine, dispatch, grouped_mlp
 from .causal_lm import CausalLM
@@ -441,9 +443,117 @@ class DeepseekV3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MTPLayer(nn.Module):
+    """One multi-token-prediction module (the DeepSeek-V3 paper, section
+    2.2), checkpoint layer ``index`` (``num_hidden_layers`` + k - 1 for
+    depth k), in the released checkpoints' names::
+
+        h' = eh_proj [enorm(emb(t_{i+k})) ; hnorm(h_i)]
+        h  = block(h')                   a decoder layer (MoE past the dense ones)
+        logits = head(shared_head.norm(h))
+
+    ``emb`` and ``head`` are the model's own (the paper's shared embedding
+    and output head); ``h_i`` is the previous depth's output, at depth 1
+    the main model's last layer before its final norm. ``eh_proj`` is
+    replicated over tensor parallelism (its output enters the block as any
+    layer's input)."""
+
+    def __init__(self, cfg, index: int, layout: Layout, rotary: Rotary):
+        super().__init__()
+        pre = f"model.layers.{index}"
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layout = layout
+        self.enorm = RMSNorm(h, eps, f"{pre}.enorm.weight", layout)
+        self.hnorm = RMSNorm(h, eps, f"{pre}.hnorm.weight", layout)
+        self.eh_proj = nn.Parameter(torch.empty(h, 2 * h, device="meta"))
+        self.hf_specs = {"eh_proj": whole(f"{pre}.eh_proj.weight", (h, 2 * h))}
+        self.block = DeepseekV3DecoderLayer(cfg, index, layout, rotary)
+        self.head_norm = RMSNorm(h, eps, f"{pre}.shared_head.norm.weight", layout)
+
+    def forward(self, h, emb, cos, sin, mask):
+        """h, emb [seq (/tp under sequence parallelism), batch, hidden]."""
+        x = torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
+        return self.block(F.linear(x, self.layout.shared(self.eh_proj)), cos, sin, mask)
+
+
 class DeepseekV3(CausalLM):
-    """``DeepseekV3(config, state=None)``: as ``Llama``, with the routed
-    experts split over ``init_parallel``'s expert-parallel group."""
+    """``DeepseekV3(config, state=None, mtp_depth=0)``: as ``Llama``, with
+    the routed experts split over ``init_parallel``'s expert-parallel
+    group, and ``mtp_depth`` multi-token-prediction modules (``MTPLayer``;
+    ``from_pretrained`` builds as many as the checkpoint holds, up to
+    ``num_nextn_predict_layers``, unless told otherwise).
+
+    In training, a forward with labels adds ``mtp_loss_weight`` (the
+    paper's lambda: 0.3 for most of its pre-training, 0.1 after) times the
+    mean of the depths' losses: depth k's position i predicts token
+    i + k + 1, -100 labels ignored, each depth's cross entropy the mean
+    over its own targets (with ``num_items_in_batch``, a per-token loss,
+    the sum over the main loss's count, as Megatron's per-token MTP loss).
+    ``mtp_loss`` keeps that mean's value. Evaluation (``model.eval()``)
+    leaves it out. Not under a pipeline schedule yet."""
+
+    mtp_loss_weight = 0.3
+
+    def __init__(self, config, state=None, *, mtp_depth: int = 0, **kwargs):
+        if not isinstance(mtp_depth, int) or mtp_depth < 0:
+            raise ValueError(f"DeepseekV3: mtp_depth must be an integer >= 0, got {mtp_depth!r}")
+        self.mtp_depth = mtp_depth
+        super().__init__(config, state, **kwargs)
+        self.mtp_loss: torch.Tensor | None = None
+
+    @classmethod
+    def checkpoint_options(cls, config: dict, weight_map: dict) -> dict:
+        """The MTP layers the checkpoint holds (consecutive from layer
+        ``num_hidden_layers``, at most ``num_nextn_predict_layers``)."""
+        first, depth = config.get("num_hidden_layers", 0), 0
+        while (
+            depth < config.get("num_nextn_predict_layers", 0)
+            and f"model.layers.{first + depth}.eh_proj.weight" in weight_map
+        ):
+            depth += 1
+        return {"mtp_depth": depth}
+
+    def make_extras(self) -> None:
+        self.mtp = None
+        cfg, first = self.config, self.config.num_hidden_layers
+        if self.mtp_depth and self.is_last:
+            self.mtp = nn.ModuleList(
+                MTPLayer(cfg, first + k, self.layout, self.rotary) for k in range(self.mtp_depth)
+            )
+        # Written by whichever stage holds the embedding and the head.
+        for k in range(self.mtp_depth):
+            pre = f"model.layers.{first + k}"
+            self.saved_twice.setdefault(self.embed_key, []).append(f"{pre}.embed_tokens.weight")
+            self.saved_twice.setdefault(self.head_key, []).append(f"{pre}.shared_head.head.weight")
+
+    def extra_loss(self, h, input_ids, labels, position_ids, mask, num_items):
+        if self.mtp is None:
+            return None
+        lay = self.layout
+        cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
+        losses = []
+        for k, layer in enumerate(self.mtp, start=1):
+            # t_{i+k} at position i; past the end a pad token, whose target
+            # (t_{i+k+1}) is past the end too and ignored.
+            ids = F.pad(input_ids, (0, k))[:, k:]
+            if lay.cp_size > 1:
+                ids = context_parallel.shard_sequence(ids, lay.cp_group)
+            emb = self.embed(ids, position_ids)
+            if self.checkpoint and torch.is_grad_enabled():
+                h = recompute(layer, h, emb, cos, sin, mask)
+            else:
+                h = layer(h, emb, cos, sin, mask)
+            logits = self.vocab_parallel_logits(h, layer.head_norm)
+            targets = F.pad(labels, (0, k), value=-100)[:, k:]  # loss_fn shifts one more
+            losses.append(self.loss_fn(logits, targets, num_items))
+        mean = torch.stack(losses).mean()
+        self.mtp_loss = mean.detach()
+        return self.mtp_loss_weight * mean
+
+    def config_dict(self) -> dict:
+        values = super().config_dict()
+        values["num_nextn_predict_layers"] = self.mtp_depth
+        return values
 
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
@@ -486,7 +596,7 @@ class DeepseekV3(CausalLM):
         counts alike, which the sign rule does not see."""
         routers = [m for m in self.modules() if isinstance(m, Router)]
         cfg = self.config
-        table = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts)
+        table = torch.zeros(cfg.num_hidden_layers + self.mtp_depth, cfg.n_routed_experts)
         for r in routers:
             table[r.layer_index] = r.pending_load.cpu()
         if group is None and dist.is_initialized():

@@ -33,6 +33,11 @@ class ModelConfig:
     # DeepSeek-V3: the sequence-wise balance loss's weight (the paper's
     # alpha, 0.0001; 0: off).
     balance_loss_weight: float = 1e-4
+    # DeepSeek-V3: multi-token-prediction depth (-1: as many MTP layers as
+    # the checkpoint holds, none for fresh weights; 0: none) and its loss
+    # weight (the paper's lambda).
+    mtp_depth: int = -1
+    mtp_loss_weight: float = 0.3
 
 
 @dataclass

@@ -121,6 +121,15 @@ def build_model(cfg, parallel, state, vocab_size: int, seed: int):
         cp_mode=parallel.cp_mode,
     )
     config = model_config(cfg, vocab_size)
+    if cfg.mtp_depth >= 0:
+        kind = config.get("model_type") if config else _checkpoint_type(cfg.name)
+        if kind == "deepseek_v3":
+            kwargs["mtp_depth"] = cfg.mtp_depth
+        elif cfg.mtp_depth:
+            raise ValueError(
+                f"[model] mtp_depth: multi-token prediction is DeepSeek-V3's; {cfg.name} is "
+                f"a {kind!r} model"
+            )
     if config is None:
         model = from_pretrained(cfg.name, state, dtype=dtype, **kwargs)
     else:
@@ -135,4 +144,11 @@ def build_model(cfg, parallel, state, vocab_size: int, seed: int):
         if isinstance(m, Router):
             m.bias_update_rate = cfg.expert_bias_update_rate
             m.balance_loss_weight = cfg.balance_loss_weight
+    if isinstance(model, DeepseekV3):
+        model.mtp_loss_weight = cfg.mtp_loss_weight
     return model
+
+
+def _checkpoint_type(path: str) -> str | None:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("model_type")
