@@ -8,12 +8,14 @@ optimizer and schedule, in one run.
 Both train AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1, warmup then
 cosine, clipping at 1.0) on sequences of 256 tokens, a global batch of 8,
 packed from the docs with a byte-level BPE tokenizer of 8192 tokens. Ours
-runs at dp 2 and at tp 2 with sequence parallelism; the ``transformers``
-``Trainer`` runs its DDP over gloo as constructed by default (which looks
-for unused parameters every step) and with its best settings here (no
-search for unused parameters, ``ddp_bucket_cap_mb=100``, no buffer
-broadcast), and with those over "dsp" (a process group it finds
-initialised). Reported per
+runs at dp 2 and at tp 2 with sequence parallelism, in float32 and in bf16
+over float32 masters (``[model] mixed_precision = "bf16"``); the
+``transformers`` ``Trainer`` runs its DDP over gloo as constructed by
+default (which looks for unused parameters every step) and with its best
+settings here (no search for unused parameters, ``ddp_bucket_cap_mb=100``,
+no buffer broadcast, torch's fused AdamW as ours), with those over "dsp"
+(a process group it finds initialised), and with those in bf16 under
+autocast (``bf16=True``, its mixed precision). Reported per
 configuration: training tokens/s of each timed step (rank 0's wall time per
 optimizer step, everything the trainer does included: data, the step,
 logging), pooled over the rounds (each configuration runs once per round,
@@ -53,9 +55,9 @@ LLAMA = dict(
 OPTIM = dict(lr=3e-4, warmup_steps=2, decay="cosine", min_lr_ratio=0.1, grad_clip=1.0)
 
 
-def _job(tok: str, model: str, parallel: dict, steps: int) -> dict:
+def _job(tok: str, model: str, parallel: dict, steps: int, model_options=None) -> dict:
     return {
-        "model": {"name": model},
+        "model": {"name": model, **(model_options or {})},
         "parallel": parallel,
         "data": {
             "train": [os.path.join(ROOT, "docs", "**", "*.md")],
@@ -168,19 +170,32 @@ def main():
             "ddp_find_unused_parameters": False,
             "ddp_bucket_cap_mb": 100,
             "ddp_broadcast_buffers": False,
+            "optim": "adamw_torch_fused",  # as ours: torch's fused AdamW
         }
         baselines = [
             ("transformers Trainer, DDP over gloo (defaults)", "gloo", {}),
             ("transformers Trainer, DDP over gloo (best settings)", "gloo", best),
             ("transformers Trainer, DDP over dsp (best settings)", "dsp", best),
+            (
+                "transformers Trainer, bf16 autocast, DDP over gloo (best settings)",
+                "gloo",
+                {**best, "bf16": True},
+            ),
         ]
+        bf16 = {"mixed_precision": "bf16"}
         ours = [
-            ("dsparallel.train, dp 2", {}),
-            ("dsparallel.train, dp 2, ZeRO-1", {"zero_stage": 1}),
-            ("dsparallel.train, tp 2 + sp", {"tensor": 2, "sequence_parallel": True}),
+            ("dsparallel.train, dp 2", {}, None),
+            ("dsparallel.train, dp 2, ZeRO-1", {"zero_stage": 1}, None),
+            ("dsparallel.train, tp 2 + sp", {"tensor": 2, "sequence_parallel": True}, None),
+            ("dsparallel.train, dp 2, mixed bf16", {}, bf16),
+            (
+                "dsparallel.train, tp 2 + sp, mixed bf16",
+                {"tensor": 2, "sequence_parallel": True},
+                bf16,
+            ),
         ]
         runs = [("baseline", n, (_transformers, tok, model_dir, b, o)) for n, b, o in baselines]
-        runs += [("dsparallel", n, (_ours, _job(tok, model_dir, p, steps))) for n, p in ours]
+        runs += [("dsparallel", n, (_ours, _job(tok, model_dir, p, steps, m))) for n, p, m in ours]
         # Every configuration once in each of --rounds rounds, the order
         # reversed every other round, so that the machine's drift over the
         # run favours none; a configuration's samples are pooled.
