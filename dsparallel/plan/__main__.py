@@ -69,14 +69,7 @@ def _command(e, model_arg: str, model, seq: int, global_batch: int, devices_per_
         if lay.pp > 1:
             parts.append(f"--schedule {lay.schedule}")
     else:
-        parts = [
-            f"{launch} examples/train_hf.py --model {model_arg}",
-            f"--tensor-parallel {lay.tp} --pipeline-parallel {lay.pp}",
-            f"--micro-batches {lay.micro_batches} --batch-size {global_batch} --seq-len {seq}",
-        ]
-        if lay.sequence_parallel:
-            parts.append("--sequence-parallel")
-        parts.append(f"--dtype {lay.dtype}")
+        return _trainer_command(launch, lay, model_arg, seq, global_batch)
     if lay.ep > 1:
         parts.append(f"--expert-parallel {lay.ep}")
     if lay.experts_over_tp:
@@ -87,6 +80,34 @@ def _command(e, model_arg: str, model, seq: int, global_batch: int, devices_per_
         parts.append(f"--zero-stage {lay.zero}")
     if lay.recompute:
         parts.append("--checkpoint-activations" if kind == "gpt" else "--recompute")
+    return " ".join(parts)
+
+
+def _trainer_command(launch: str, lay, model_arg: str, seq: int, global_batch: int) -> str:
+    """The trainer (``python -m dsparallel.train``) at the planned layout:
+    ``job.toml`` is the user's (their ``[data]`` and ``[optim]``); the
+    layout, batch and dtype come as overrides."""
+    par = [f"tensor={lay.tp}", f"pipeline={lay.pp}"]
+    if lay.pp > 1:
+        par += [f"schedule={lay.schedule}", f"micro_batches={lay.micro_batches}"]
+    if lay.ep > 1:
+        par.append(f"expert={lay.ep}")
+    if lay.experts_over_tp:
+        par.append("experts_over_tp=true")
+    if lay.cp > 1:
+        par += [f"context={lay.cp}", f"cp_mode={lay.cp_mode}"]
+    if lay.sequence_parallel:
+        par.append("sequence_parallel=true")
+    if lay.zero:
+        par.append(f"zero_stage={lay.zero}")
+    if lay.recompute:
+        par.append("recompute=true")
+    parts = [
+        f"{launch} -m dsparallel.train --config job.toml --model.name={model_arg}",
+        f"--model.dtype={lay.dtype}",
+        *(f"--parallel.{p}" for p in par),
+        f"--data.seq_len={seq} --data.global_batch={global_batch}",
+    ]
     return " ".join(parts)
 
 

@@ -24,9 +24,8 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
     """The layouts worth estimating: tp within a host, pp up to the layers,
     cp and ep where they apply (the experts over the tp ranks too), ZeRO
     0-2, recomputation on and off, sequence parallelism with tp, the 1F1B,
-    interleaved and ZBV schedules under pp (Llama and DeepSeek-V3 build one stage per rank, which
-    examples/train_hf.py runs under 1F1B: that one for them), micro-batches
-    of 1, 2 or 4 sequences."""
+    interleaved 1F1B, ZBV and DualPipeV schedules under pp (every model runs
+    every schedule), micro-batches of 1, 2 or 4 sequences."""
     world = cluster.devices
     experts = _experts(m)
     for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
@@ -44,7 +43,7 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
                 (tp * e, True) for e in _divisors(dp * cp) if experts and experts % (tp * e) == 0
             ]
         eps = eps or [(1, False)]
-        schedules = ["1f1b"] if pp == 1 or m.kind != "gpt" else ["1f1b", "interleaved_1f1b", "zbv"]
+        schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
         for (ep, over_tp), zero, recompute, schedule, mb in itertools.product(
             eps, (0, 1, 2), (False, True), schedules, (1, 2, 4)
         ):
@@ -55,7 +54,9 @@ def layouts(m: Model, cluster: Cluster, global_batch: int, seq: int, dtype: str)
                 continue
             if schedule == "interleaved_1f1b" and (micro_batches % pp or 2 * pp > m.layers):
                 continue
-            if schedule == "zbv" and 2 * pp > m.layers:
+            if schedule in ("zbv", "dualpipev") and 2 * pp > m.layers:
+                continue
+            if schedule == "dualpipev" and micro_batches < 2 * pp:
                 continue
             if zero and dp * cp == 1:
                 continue

@@ -369,8 +369,18 @@ def test_the_planner_page_shows_what_the_planner_prints(capsys):
     assert (
         "the best (on each host; FIRST_HOST: the first's address): torchrun --nnodes 8 "
         "--nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $FIRST_HOST:29500 "
-        "examples/train_hf.py" in block
+        "-m dsparallel.train --config job.toml" in block
     )
+    # The command is the trainer's: its overrides are valid fields, and give
+    # the layout of the best row.
+    from dsparallel.train.config import load
+
+    command = block.rsplit("-m dsparallel.train --config job.toml ", 1)[1].split("\n")[0]
+    cfg = load(None, command.split())
+    best = rows[0].split()
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (int(best[0]), int(best[1]))
+    assert cfg.parallel.expert == int(best[3].rstrip("t")) and cfg.parallel.zero_stage == int(best[5])
+    assert cfg.parallel.schedule == best[6] and cfg.data.global_batch == 512
 
 
 @pytest.mark.parametrize("spec", ["hidden=64,heads=4,layers=4", "hidden=64,heads=4,moe_experts=4"])
