@@ -379,7 +379,8 @@ def test_the_planner_page_shows_what_the_planner_prints(capsys):
     cfg = load(None, command.split())
     best = rows[0].split()
     assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (int(best[0]), int(best[1]))
-    assert cfg.parallel.expert == int(best[3].rstrip("t")) and cfg.parallel.zero_stage == int(best[5])
+    assert cfg.parallel.expert == int(best[3].rstrip("t"))
+    assert cfg.parallel.zero_stage == int(best[5])
     assert cfg.parallel.schedule == best[6] and cfg.data.global_batch == 512
 
 
