@@ -13,7 +13,8 @@ The GPT of the training job, wider (hidden 256, 8 heads, 4 layers), batch 1:
   one process on the two cores against cp 2 (two processes of one thread)
   with ring attention, Ulysses, and the all-gather approach written here
   as the baseline (Megatron's ``all_gather`` variant: every rank gathers
-  the whole keys and values, then attends its queries to them), in
+  the whole keys and values, then attends each query chunk to the keys up
+  to its end, skipping the blocks past it as causal attention allows), in
   interleaved rounds;
 - what ring attention's transfers cost: the ring op's time outside its
   kernels, and within it the time it waits at the exchanges (profiled as
@@ -113,20 +114,32 @@ def _memory(rank, world, args):
 def _all_gather_attention(q, k, v, group, causal=True, doc_ids=None, scale=None):
     """The baseline: gather every rank's keys and values (autograd's
     all-gather: the backward reduce-scatters their gradients), put them in
-    sequence order, attend this rank's queries at their global positions."""
+    sequence order, attend each of this rank's two query chunks (chunk r
+    and 2C - 1 - r of the load-balanced layout) to the keys up to its own
+    end only, the diagonal block masked: the key blocks past a query chunk
+    are skipped, as causal all-gather context parallelism does (Megatron's
+    ``all_gather`` variant, torch's), so it computes what the ring does."""
     import torch
     import torch.distributed.nn.functional as dnn
     import torch.nn.functional as F
 
-    from dsparallel.context_parallel.layout import natural_order, positions
+    from dsparallel.context_parallel.layout import natural_order
 
     size, local = group.size(), q.shape[2]
     order = natural_order(size, local)
     k = torch.cat(dnn.all_gather(k.contiguous(), group=group), dim=2).index_select(2, order)
     v = torch.cat(dnn.all_gather(v.contiguous(), group=group), dim=2).index_select(2, order)
-    mine = positions(local * size, group)
-    mask = mine[:, None] >= torch.arange(local * size)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    c, rank = local // 2, group.rank()
+    out = []
+    for chunk, queries in ((rank, q[:, :, :c]), (2 * size - 1 - rank, q[:, :, c:])):
+        end = (chunk + 1) * c  # the keys before and within this chunk
+        mask = torch.ones(c, end, dtype=torch.bool).tril(diagonal=end - c)
+        out.append(
+            F.scaled_dot_product_attention(
+                queries, k[:, :, :end], v[:, :, :end], attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        )
+    return torch.cat(out, dim=2)
 
 
 def _stepper(rank, world, args, mode):

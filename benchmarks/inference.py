@@ -25,7 +25,9 @@ Each baseline at its defaults and, where it has them, its best settings:
 (``torch.compile`` left out: compiling a 20-layer model on two cores takes
 longer than the whole run); DeepSpeed's CPU inference has one setting
 (AutoTP with its shared-memory all-reduce: kernel injection is CUDA only);
-``parallelize_module`` over gloo (torch's CPU default) and over "dsp".
+``parallelize_module`` over gloo (torch's CPU default) and over "dsp",
+with torchtitan's Llama plan: every projection, and the embedding and the
+LM head (as ours) split over the ranks.
 """
 
 from __future__ import annotations
@@ -265,6 +267,7 @@ def _transformers(rank, world, path, args, cache=None):
 def _torch_tp(rank, world, path, args, backend):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -279,6 +282,18 @@ def _torch_tp(rank, world, path, args, backend):
     styles = {"col": ColwiseParallel, "row": RowwiseParallel}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {k: styles[v]() for k, v in TP_PLAN.items()})
+    # The embedding and the LM head split too, as torchtitan's Llama plan
+    # does (without sequence parallelism: the embedding's rows with its
+    # output all-reduced, the head's vocabulary columns with the logits
+    # gathered), and as ours are.
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     serve = _rounds(_hf_run(model), args, distributed=True)
     serve.close = dist.destroy_process_group
     return serve
