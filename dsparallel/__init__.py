@@ -11,6 +11,7 @@ from ._version import __version__  # noqa: F401  (the package version)
 load_extension()  # before any module that imports _C: a clear error on a torch mismatch
 
 from . import backend, comm_hooks, context_parallel, moe, tensor_parallel
+from .backend import use_as_default
 from .checkpoint import checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .mixed_precision import MixedPrecision
@@ -38,5 +39,6 @@ __all__ = [
     "moe",
     "save_checkpoint",
     "tensor_parallel",
+    "use_as_default",
     "ZeroRedundancyOptimizer",
 ]

@@ -174,3 +174,24 @@ def register() -> None:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
     )
+
+
+# Set in the environment of every rank (before torch is imported), makes
+# "dsp" the default CPU backend without a line of code (dsparallel_autoload).
+DEFAULT_ENV = "DSPARALLEL_DEFAULT_BACKEND"
+
+
+def use_as_default() -> None:
+    """Makes "dsp" torch's default backend for CPU tensors (CUDA ones keep
+    NCCL): ``dist.init_process_group()`` with no backend, and
+    ``init_device_mesh("cpu", ...)`` with no group yet, then create a "dsp"
+    group, as do frameworks that call them without naming a backend.
+    Call it before the group is created; the environment variable
+    ``DSPARALLEL_DEFAULT_BACKEND=1`` does the same without code. Frameworks
+    that name "gloo" for the CPU themselves (Lightning, accelerate, the
+    ``transformers`` ``Trainer``) are not changed by it: see the frameworks
+    guide."""
+    from dsparallel_autoload import make_default
+
+    register()
+    make_default()
