@@ -551,8 +551,13 @@ class DeepseekV3(CausalLM):
         return self.mtp_loss_weight * mean
 
     def config_dict(self) -> dict:
+        """The config as read (a round trip keeps every field), with the
+        MTP depth built where there is one. Layers dropped with
+        ``mtp_depth=0`` leave the count as it was, as ``transformers``,
+        which drops them too, leaves it."""
         values = super().config_dict()
-        values["num_nextn_predict_layers"] = self.mtp_depth
+        if self.mtp_depth:
+            values["num_nextn_predict_layers"] = self.mtp_depth
         return values
 
     model_type = "deepseek_v3"
