@@ -236,16 +236,27 @@ def stage_bytes(m: Model, lay: Layout, stage: int, micro_batch: int, seq: int) -
     return blocks + low * lay.dtype_bytes + fp32 * 4
 
 
+@functools.lru_cache(maxsize=1024)
+def schedule_of(name: str, num_stages: int, micro_batches: int, per_rank: int):
+    """The C++ schedule (generated and validated once per shape: a search
+    asks for the same few thousands of times). Read only."""
+    from ..pipeline.schedule import get_schedule
+
+    return get_schedule(name, num_stages, micro_batches, per_rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def _peaks(name: str, num_stages: int, micro_batches: int, per_rank: int) -> tuple[int, ...]:
+    return tuple(schedule_of(name, num_stages, micro_batches, per_rank).validate().peak_in_flight)
+
+
 def peak_in_flight(lay: Layout) -> list[int]:
     """Per pipeline rank, the most micro-batch-stages whose forward has run
     and whose backward (or weight gradient) has not: the schedule's own
     simulation (csrc/core/pipeline)."""
     if lay.pp == 1 and lay.per_rank == 1:
         return [1]
-    from ..pipeline.schedule import get_schedule
-
-    schedule = get_schedule(lay.schedule, lay.num_stages, lay.micro_batches, lay.per_rank)
-    return list(schedule.validate().peak_in_flight)
+    return list(_peaks(lay.schedule, lay.num_stages, lay.micro_batches, lay.per_rank))
 
 
 def activation_bytes(m: Model, lay: Layout, pp_rank: int, seq: int) -> float:

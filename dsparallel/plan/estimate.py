@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..models.gpt import stage_blocks
-from .activations import activation_bytes, stage_bytes
+from .activations import activation_bytes, schedule_of, stage_bytes
 from .cluster import Cluster, read_cluster
 from .flops import OPS, head_flops, layer_flops, layer_ops, model_flops_per_token
 from .layout import Layout
@@ -286,9 +286,7 @@ def estimate(
         pipeline = lay.micro_batches * (f + i + w)
         busy = pipeline
     else:
-        from ..pipeline.schedule import get_schedule
-
-        schedule = get_schedule(lay.schedule, lay.num_stages, lay.micro_batches, lay.per_rank)
+        schedule = schedule_of(lay.schedule, lay.num_stages, lay.micro_batches, lay.per_rank)
         ints = [
             (
                 max(1, round(f * us)),
