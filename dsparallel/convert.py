@@ -58,7 +58,9 @@ def to_hf(src: str, dst: str, model: str, dtype: str | None = None) -> None:
     """The training checkpoint ``src`` as a Hugging Face checkpoint in
     ``dst``, for the model of ``model`` (a checkpoint directory or a
     ``config.json``), saved in ``dtype`` (default: the config's)."""
-    from .models.checkpoint_io import model_classes
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from .models.checkpoint_io import config_dtype, model_class
     from .training_checkpoint import load_checkpoint
 
     config_file = os.path.join(model, "config.json") if os.path.isdir(model) else model
@@ -67,37 +69,22 @@ def to_hf(src: str, dst: str, model: str, dtype: str | None = None) -> None:
     with open(config_file) as f:
         config = json.load(f)
     config.pop("quantization_config", None)  # what it loads is not quantized
-    classes = model_classes()
-    kind = config.get("model_type")
-    if kind not in classes:
-        raise ValueError(
-            f"convert: --model {model} is a {kind!r} model; dsparallel.models builds "
-            f"{', '.join(sorted(classes))}"
-        )
-    name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+    cls = model_class(config, f"convert: --model {model}")
+    name = dtype or config_dtype(config)
     if not isinstance(getattr(torch, name, None), torch.dtype):
         raise ValueError(f"convert: {name!r} is not a torch dtype")
-    options = {}
-    if kind == "deepseek_v3":  # as many MTP layers as the checkpoint holds
-        options["mtp_depth"] = _mtp_depth(src, config)
-    built = classes[kind](config, None, dtype=getattr(torch, name), **options)
+    # What the checkpoint holds implies the model's options (DeepSeek-V3's
+    # MTP layers), as a Hugging Face checkpoint's tensors do for
+    # from_pretrained: the weights are its "model.<checkpoint name>" keys.
+    keys = FileSystemReader(src).read_metadata().state_dict_metadata
+    held = {k.removeprefix("model."): src for k in keys if k.startswith("model.")}
+    built = cls(config, None, dtype=getattr(torch, name), **cls.checkpoint_options(config, held))
     load_checkpoint(src, built)
     built.save_pretrained(dst)
     if os.path.isdir(model):
         for file in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(model, file)):
                 shutil.copy2(os.path.join(model, file), os.path.join(dst, file))
-
-
-def _mtp_depth(src: str, config: dict) -> int:
-    """How many multi-token-prediction layers the checkpoint holds."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(src).read_metadata().state_dict_metadata
-    first, depth = config.get("num_hidden_layers", 0), 0
-    while f"model.model.layers.{first + depth}.eh_proj.weight" in keys:
-        depth += 1
-    return depth
 
 
 def to_torch(src: str, dst: str) -> None:

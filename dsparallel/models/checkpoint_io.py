@@ -54,13 +54,7 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
     # is not quantized, and its saved config must not say it is.
     block = fp8.block_size(config, path)
     config.pop("quantization_config", None)
-    classes = model_classes()
-    kind = config.get("model_type")
-    if kind not in classes:
-        raise ValueError(
-            f"from_pretrained: {path} holds a {kind!r} model ({config.get('architectures')}); "
-            f"dsparallel.models loads {', '.join(sorted(classes))}"
-        )
+    cls = model_class(config, f"from_pretrained: {path}")
     weight_map = _weight_map(path)
     missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
     if missing:
@@ -71,9 +65,9 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
     if kwargs.get("mixed_precision") is not None:
         dtype = dtype or torch.float32  # the masters; the policy casts for compute
     elif dtype is None:
-        dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
-    kwargs = {**classes[kind].checkpoint_options(config, weight_map), **kwargs}
-    model = classes[kind](config, state, dtype=dtype, _initialize=False, **kwargs)
+        dtype = getattr(torch, config_dtype(config))
+    kwargs = {**cls.checkpoint_options(config, weight_map), **kwargs}
+    model = cls(config, state, dtype=dtype, _initialize=False, **kwargs)
     reader = _Reader(path, weight_map, block)
     try:
         used, error = model.load_hf(reader.read) | reader.scales_read, None
@@ -81,6 +75,25 @@ def from_pretrained(path: str, state=None, dtype: torch.dtype | None = None, **k
         used, error = set(), e
     _agree(model, weight_map, used, error, path)
     return model
+
+
+def model_class(config: dict, where: str):
+    """The ``dsparallel.models`` class of ``config``'s ``model_type``; a
+    ValueError beginning with ``where`` when there is none."""
+    classes = model_classes()
+    kind = config.get("model_type")
+    if kind not in classes:
+        raise ValueError(
+            f"{where} holds a {kind!r} model ({config.get('architectures')}); "
+            f"dsparallel.models loads {', '.join(sorted(classes))}"
+        )
+    return classes[kind]
+
+
+def config_dtype(config: dict) -> str:
+    """The dtype a config says its tensors are stored in (float32 when it
+    does not say)."""
+    return config.get("dtype") or config.get("torch_dtype") or "float32"
 
 
 def _weight_map(path: str) -> dict[str, str]:

@@ -13,17 +13,9 @@ import sys
 import pytest
 import torch
 from dist_utils import run_ranks
+from test_models import LLAMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LLAMA = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 
 
 def _convert(*args):

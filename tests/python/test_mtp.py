@@ -26,28 +26,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
+from test_deepseek_training import CONFIG as TRAINING_CONFIG
 
-CONFIG = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    max_position_embeddings=64,
-    num_nextn_predict_layers=1,
-)
+# The balance-loss test's tiny DeepSeek-V3 (group-limited routing, a dense
+# first layer, shared experts), two layers and one MTP layer.
+CONFIG = dict(TRAINING_CONFIG, num_hidden_layers=2, num_nextn_predict_layers=1)
 L = CONFIG["num_hidden_layers"]
 BATCH, SEQ, LAMBDA = 4, 12, 0.3
 
@@ -285,3 +268,33 @@ def test_mtp_under_a_pipeline_is_kept_and_its_training_refused_by_name(reference
     )
     with open(os.path.join(out + "-dropped", "config.json")) as f:  # as transformers keeps it
         assert json.load(f)["num_nextn_predict_layers"] == 1
+
+
+def test_a_training_checkpoint_with_mtp_converts_with_its_layers(reference, tmp_path):
+    """``python -m dsparallel.convert`` builds as many MTP layers as the
+    training checkpoint holds and writes them back, copies included."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    import dsparallel
+    from dsparallel.models import from_pretrained
+
+    path, _, _ = reference
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    dsparallel.save_checkpoint(ckpt, from_pretrained(path))
+    done = subprocess.run(
+        [sys.executable, "-m", "dsparallel.convert", ckpt, out, "--to", "hf", "--model", path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    original, converted = load_file(os.path.join(path, "model.safetensors")), {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            converted.update(load_file(os.path.join(out, f)))
+    assert original.keys() == converted.keys(), sorted(original.keys() ^ converted.keys())[:5]
+    for key, t in original.items():
+        assert torch.equal(t, converted[key]), key
