@@ -482,6 +482,30 @@ class CausalLM(nn.Module):
         logits = last_logits(self.vocab_parallel_logits(h[-1:]), self.layout)
         return logits[:, : self.config.vocab_size]
 
+    @torch.no_grad()
+    def paged_step(self, input_ids, position_ids, paged, rows) -> torch.Tensor:
+        """One forward of a continuous batch over a paged KV cache
+        (``dsparallel.inference.paged``): ``input_ids`` and ``position_ids``
+        [1, tokens], every sequence's new tokens one after another;
+        ``paged`` the step's ``PagedStep``; ``rows`` the positions in
+        ``tokens`` whose next-token logits are wanted. Returns them, full
+        vocabulary [len(rows), vocab], on every tensor-parallel rank."""
+        if self.layout.pp_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}.paged_step: the paged cache runs one pipeline stage"
+            )
+        h = self.embed(input_ids, position_ids)
+        cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
+        for index in self.stage_layers[self.stage_ids[0]]:
+            h = self.layers[index](h, cos, sin, None, paged.layer(index))
+        logits = last_logits(self.vocab_parallel_logits(h[rows].transpose(0, 1)), self.layout)
+        return logits[:, : self.config.vocab_size]
+
+    def cache_entries(self) -> dict:
+        """Per layer of this rank: the shapes one cached position holds
+        (a paged cache's pool is [positions, *shape] of each)."""
+        return {i: layer.self_attn.cache_entries() for i, layer in self.layers.items()}
+
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> dict:
         """This stage's KV cache: each layer's ``new_cache``."""
         if self.layout.cp_size > 1:

@@ -117,6 +117,10 @@ class MLA(nn.Module):
             "k_pe": torch.empty(batch, length, self.rope_dim, dtype=dtype),
         }
 
+    def cache_entries(self) -> dict:
+        """Per cached position: the latent and the shared rope key."""
+        return {"latent": (self.kv_lora,), "k_pe": (self.rope_dim,)}
+
     def forward(self, x, cos, sin, mask, cache=None):
         """x [seq (/tp under sequence parallelism), batch, hidden]; with
         ``cache`` (this layer's ``new_cache``, the position its queries
@@ -168,19 +172,39 @@ class MLA(nn.Module):
             q.k  = (q_nope W_UK) . latent + q_pe . k_pe
             out  = (softmax(q.k * scale) latent) W_UV
         """
+        if not isinstance(cache, tuple):  # a paged step's layer: one row of every sequence's tokens
+
+            def per_group(qs, kv, allowed):  # [g, q, heads, .], [g, keys, .]
+                out = self._absorbed_attention(
+                    qs["nope"].transpose(1, 2),
+                    qs["pe"].transpose(1, 2),
+                    kv["latent"],
+                    kv["k_pe"],
+                    allowed[:, None],
+                )
+                return out.transpose(1, 2)
+
+            queries = {"nope": q_nope[0].transpose(0, 1), "pe": q_pe[0].transpose(0, 1)}
+            out = cache.attend(queries, {"latent": latent[0], "k_pe": k_pe[0]}, per_group)
+            return out.transpose(0, 1)[None]
         slot, start = cache
         n = latent.shape[1]
         slot["latent"][:, start : start + n] = latent
         slot["k_pe"][:, start : start + n] = k_pe
         latent, k_pe = slot["latent"][:, : start + n], slot["k_pe"][:, : start + n]
+        if mask is None:
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=latent.device).tril(start)
+        return self._absorbed_attention(q_nope, q_pe, latent, k_pe, mask)
+
+    def _absorbed_attention(self, q_nope, q_pe, latent, k_pe, allowed):
+        """q_nope, q_pe [batch, heads, q, .] over latent, k_pe [batch, keys,
+        .]; ``allowed`` the boolean mask broadcast to [batch, heads, q, keys]."""
         w = self.kv_b.view(-1, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_latent = torch.einsum("bhqn,hnc->bhqc", q_nope, w_uk)
         scores = torch.einsum("bhqc,bkc->bhqk", q_latent, latent)
         scores = (scores + torch.einsum("bhqr,bkr->bhqk", q_pe, k_pe)) * self.scale
-        if mask is None:
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=scores.device).tril(start)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32)
         out = torch.einsum("bhqk,bkc->bhqc", probs.to(latent.dtype), latent)
         return torch.einsum("bhqc,hvc->bhqv", out, w_uv)
 

@@ -30,7 +30,7 @@ from torch import nn
 from .. import tensor_parallel as tp
 from .causal_lm import CausalLM
 from .hf_map import Cat, Piece, cols, rows, whole
-from .layers import Layout, attend, cached_kv, check_split, new_kv_slot
+from .layers import Layout, attend, check_split, kv_attention, kv_entries, new_kv_slot
 
 ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -125,13 +125,17 @@ class GPT2Attention(_Projections):
     def new_cache(self, batch: int, length: int, dtype) -> dict:
         return new_kv_slot(batch, self.heads, length, self.head_dim, dtype)
 
+    def cache_entries(self) -> dict:
+        return kv_entries(self.heads, self.head_dim)
+
     def forward(self, x, mask, cache=None):
         qkv = self.up(x)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         if cache is not None:
-            k, v = cached_kv(k, v, cache)
-        out = attend(q, k, v, mask, self.layout, scale=self.scale)
+            out = kv_attention(q, k, v, mask, self.layout, cache, self.scale)
+        else:
+            out = attend(q, k, v, mask, self.layout, scale=self.scale)
         return self.down(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 

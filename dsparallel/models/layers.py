@@ -170,6 +170,36 @@ def cached_kv(k: torch.Tensor, v: torch.Tensor, cache) -> tuple[torch.Tensor, to
     return slot["k"][:, :, : start + s], slot["v"][:, :, : start + s]
 
 
+def kv_attention(q, k, v, mask, layout: Layout, cache, scale: float | None = None):
+    """Attention of q [batch, heads, s, dim] over the keys and values k, v
+    [batch, kv heads, s, dim] of the same positions and everything cached
+    before them: ``cache`` a dense slot and its start (``cached_kv``), or a
+    paged step's layer (``dsparallel.inference.paged``, whose batch of 1
+    holds every sequence's tokens one after another)."""
+    if isinstance(cache, tuple):
+        k, v = cached_kv(k, v, cache)
+        return attend(q, k, v, mask, layout, scale)
+
+    def per_group(qs, kv, allowed):  # [g, q, heads, dim], [g, keys, heads, dim]
+        out = F.scaled_dot_product_attention(
+            qs["q"].transpose(1, 2),
+            kv["k"].transpose(1, 2),
+            kv["v"].transpose(1, 2),
+            attn_mask=allowed[:, None],
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return out.transpose(1, 2)
+
+    tokens = {"k": k[0].transpose(0, 1), "v": v[0].transpose(0, 1)}
+    return cache.attend({"q": q[0].transpose(0, 1)}, tokens, per_group).transpose(0, 1)[None]
+
+
+def kv_entries(heads: int, dim: int) -> dict:
+    """A paged cache's per-position entries of ``new_kv_slot``'s layers."""
+    return {"k": (heads, dim), "v": (heads, dim)}
+
+
 def check_split(what: str, value: int, size: int, over: str = "tensor-parallel size") -> None:
     if value % size:
         raise ValueError(f"{what}={value} is not divisible by the {over} {size}")

@@ -27,7 +27,17 @@ from .. import tensor_parallel as tp
 from .causal_lm import CausalLM
 from .hf_config import rope_frequencies
 from .hf_map import Cat, cols, rows, whole
-from .layers import Layout, RMSNorm, Rotary, SwiGLU, attend, cached_kv, check_split, new_kv_slot
+from .layers import (
+    Layout,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    attend,
+    check_split,
+    kv_attention,
+    kv_entries,
+    new_kv_slot,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -88,6 +98,12 @@ class LlamaAttention(nn.Module):
         heads = 1 if self.replicated else self.kv_heads // self.layout.tp_size
         return new_kv_slot(batch, heads, length, self.head_dim, dtype)
 
+    def cache_entries(self) -> dict:
+        """Per cached position: this rank's heads' key and value."""
+        return kv_entries(
+            1 if self.replicated else self.kv_heads // self.layout.tp_size, self.head_dim
+        )
+
     def forward(self, x, cos, sin, mask, cache=None):
         """x [seq (/tp under sequence parallelism), batch, hidden]; ``cache``
         (this layer's ``new_cache``, the position its queries start at):
@@ -104,8 +120,9 @@ class LlamaAttention(nn.Module):
         k, v = F.linear(x, w).view(s, b, 2, -1, d).permute(2, 1, 3, 0, 4).unbind(0)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         if cache is not None:
-            k, v = cached_kv(k, v, cache)
-        out = attend(q, k, v, mask, lay)
+            out = kv_attention(q, k, v, mask, lay, cache)
+        else:
+            out = attend(q, k, v, mask, lay)
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
