@@ -25,12 +25,11 @@ finished, as ``transformers``' early stop leaves it.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
 from ..models.forward_stages import ForwardStages
+from .fast_linear import fast_decoding
 from .kv_cache import KVCache
 
 
@@ -55,7 +54,7 @@ def generate(
     model = getattr(model, "module", model)
     lay = model.layout
     _check(model, input_ids, attention_mask, max_new_tokens)
-    with _wide_weights_column_major(model):
+    with fast_decoding(model):
         return _generate(
             model,
             input_ids,
@@ -86,29 +85,6 @@ def _generate(
     job = (model, input_ids, keys, positions, cache, sampler, stop, max_new_tokens)
     new = _run_local(*job) if model.layout.pp_size == 1 else _run_pipelined(*job)
     return torch.cat([input_ids, new[:, : stop.length(new)]], dim=1)
-
-
-@contextlib.contextmanager
-def _wide_weights_column_major(model):
-    """While generating, each weight with more outputs than inputs (the
-    fused gate/up, the LM head's vocabulary slice, ...) is read from a
-    column-major copy: the same values and shape, but a decode step's
-    matrix-vector products over them ran ~30% faster on the CPU (MKL reads
-    ``x @ W.t()`` row by row then). Weights with fewer outputs than inputs
-    were faster as they are. The model gets its own storage back at the
-    end (it may be a view into a ZeRO buffer or be trained on), at the
-    price of holding both copies of those weights while generating."""
-    swapped = []
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2 and p.shape[0] > p.shape[1] and p.stride(1) != p.shape[0]:
-                swapped.append((p, p.data))
-                p.data = p.data.t().contiguous().t()
-    try:
-        yield
-    finally:
-        for p, original in swapped:
-            p.data = original
 
 
 def _check(model, input_ids, attention_mask, max_new_tokens) -> None:
