@@ -1,5 +1,5 @@
 """``torchrun --nproc-per-node N -m dsparallel.serve --model DIR
---tensor-parallel N [--dtype bfloat16|float32] [--port 8000]``: an
+--tensor-parallel N [--dtype bfloat16|float32] [--quantize int8] [--port 8000]``: an
 OpenAI-compatible server of a Hugging Face checkpoint (see the "Serving"
 guide). Rank 0 serves HTTP; every rank runs its part of the model."""
 
@@ -29,6 +29,12 @@ def parse(argv):
     p.add_argument("--tensor-parallel", type=int, default=None, help="default: every rank")
     p.add_argument("--pipeline-parallel", type=int, default=1)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: weight-only, per output channel, quantized on each rank at load",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -66,6 +72,7 @@ def build(args):
     import torch.distributed as dist
 
     import dsparallel
+    from dsparallel.inference.fast_linear import quantize_int8
     from dsparallel.inference.paged import BlockPool
     from dsparallel.models import from_pretrained
 
@@ -86,6 +93,8 @@ def build(args):
     state = dsparallel.init_parallel(tensor_parallel_size=tp)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model = from_pretrained(args.model, state, dtype=dtype).eval()
+    if args.quantize == "int8":
+        quantize_int8(model)
     cache_dtype = model._dtype()
     limit = model.config.get("max_position_embeddings")
     max_model_len = args.max_model_len or limit or 4096

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..inference.fast_linear import fast_decoding
 from ..inference.paged import BlockPool, PagedStep, plan_group
 
 _IDLE, _STOP = "idle", "stop"
@@ -169,18 +169,22 @@ class Engine:
 
     def follow(self) -> None:
         """Ranks other than 0: run every step rank 0 sends until it stops."""
-        while True:
-            plan = self._broadcast(None)
-            if plan == _STOP:
-                return
-            if plan != _IDLE:
-                self._forward(plan)
+        with fast_decoding(self.model):
+            while True:
+                plan = self._broadcast(None)
+                if plan == _STOP:
+                    return
+                if plan != _IDLE:
+                    self._forward(plan)
 
     # ------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
+        with fast_decoding(self.model):
+            self._serve()
+
+    def _serve(self) -> None:
         try:
-            last = time.monotonic()
             while not self._stopping:
                 plan, batch = self._schedule()
                 if plan is None:
@@ -193,8 +197,6 @@ class Engine:
                 logits = self._forward(plan)
                 self._finish_step(batch, logits)
                 self.steps += 1
-                last = time.monotonic()
-            del last
         except BaseException as e:  # noqa: BLE001 -- every request hears of it
             self.error = e
             for seq in list(self.running) + list(self.waiting):
