@@ -4,6 +4,7 @@ tensor parallel and torch's ``parallelize_module`` over gloo and "dsp", in
 one run, the same weights everywhere.
 
     python benchmarks/inference.py [--new 16] [--prompt 128] [--rounds 5] [--per-round 2]
+        [--dtypes float32,bfloat16,int8]
 
 Greedy decoding of random prompts of ``--prompt`` tokens at batch 1 and 8.
 A sample is one ``generate`` of ``--new`` tokens minus one of a single token
@@ -19,6 +20,14 @@ spent in the tensor-parallel collectives (the all-reduces after the
 attention and MLP, the logits' all-gather) is measured with torch's
 profiler over one batch-1 generation, and what its decode steps make
 glibc's allocator do (``decode_memory``) in processes of their own.
+
+Each dtype is its own group of configurations, timed together: float32,
+bfloat16 (every system's weights and compute) and int8 (ours only:
+weight-only int8 with bfloat16 activations, ``quantize_int8``). Each
+group also measures its floor: the weight bytes one of our tp 2 ranks
+reads per decode step over the memory bandwidth of one such process
+(two processes of one thread each summing 512 MB at once, the median
+rate), the least a batch-1 step can take.
 
 Each baseline at its defaults and, where it has them, its best settings:
 ``transformers`` with its default dynamic cache and with its static cache
@@ -46,6 +55,7 @@ from common import (  # noqa: E402
     remove_deepspeed_segments,
     round_stats,
     save,
+    stats,
 )
 from launch import Workers, run_ranks  # noqa: E402
 
@@ -116,24 +126,68 @@ def _rounds(run, args, distributed: bool, extra=None):
     return one_round
 
 
-def _ours(rank, world, path, args, threads):
+def _ours(rank, world, path, args, threads, dtype="float32"):
     import torch
 
     import dsparallel
     from dsparallel.inference import generate
+    from dsparallel.inference.fast_linear import quantize_int8
     from dsparallel.models import from_pretrained
 
     torch.set_num_threads(threads)
     state = dsparallel.init_parallel(world) if world > 1 else None
-    model = from_pretrained(path, state, dtype=torch.float32)
+    int8 = dtype == "int8"
+    model = from_pretrained(path, state, dtype=torch.bfloat16 if int8 else getattr(torch, dtype))
+    if int8:
+        quantize_int8(model)
 
     def run(ids, new):
         return generate(model, ids, max_new_tokens=new)
 
-    extra = {"collective_share": lambda: _collective_share(run, args)} if world > 1 else {}
+    def weight_bytes():  # this rank's, as a decode step reads them
+        quantized = getattr(model, "_int8_weights", {})
+        total = sum(q.numel() + s.numel() * s.element_size() for q, s in quantized.values())
+        for p in model.parameters():
+            if p.data_ptr() not in quantized:
+                total += p.numel() * p.element_size()
+        return total
+
+    extra = {"weight_bytes": weight_bytes}
+    if world > 1:
+        extra["collective_share"] = lambda: _collective_share(run, args)
     serve = _rounds(run, args, distributed=world > 1, extra=extra)
     if world > 1:
         serve.close = dsparallel.destroy_parallel
+    return serve
+
+
+def _bandwidth(rank, world, path, args):
+    """The memory bandwidth one process of one thread gets while the other
+    reads too (B/s, the median of 7 passes over 512 MB)."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    x = torch.ones(128 << 20)
+    x.sum()
+
+    def measure():
+        rates = []
+        for _ in range(7):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            x.sum()
+            rates.append(x.numel() * 4 / (time.perf_counter() - t0))
+        t = torch.tensor([statistics.median(rates)])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return t.item()
+
+    def serve(command):
+        return measure()
+
+    serve.close = torch.distributed.destroy_process_group
     return serve
 
 
@@ -231,12 +285,12 @@ def _collective_share(run, args) -> dict:
     return {"decode_share": t.item()}
 
 
-def _hf_model(path, threads):
+def _hf_model(path, threads, dtype="float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -260,11 +314,11 @@ def _hf_run(model, cache=None):
     return run
 
 
-def _transformers(rank, world, path, args, cache=None):
-    return _rounds(_hf_run(_hf_model(path, 2), cache), args, distributed=False)
+def _transformers(rank, world, path, args, dtype, cache=None):
+    return _rounds(_hf_run(_hf_model(path, 2, dtype), cache), args, distributed=False)
 
 
-def _torch_tp(rank, world, path, args, backend):
+def _torch_tp(rank, world, path, args, backend, dtype):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -277,7 +331,7 @@ def _torch_tp(rank, world, path, args, backend):
     import dsparallel  # noqa: F401  (registers "dsp")
 
     dist.init_process_group(backend)
-    model = _hf_model(path, 1)
+    model = _hf_model(path, 1, dtype)
     mesh = init_device_mesh("cpu", (world,))
     styles = {"col": ColwiseParallel, "row": RowwiseParallel}
     for layer in model.model.layers:
@@ -299,7 +353,7 @@ def _torch_tp(rank, world, path, args, backend):
     return serve
 
 
-def _deepspeed(rank, world, path, args):
+def _deepspeed(rank, world, path, args, dtype):
     import contextlib
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -311,11 +365,11 @@ def _deepspeed(rank, world, path, args):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-        model = _hf_model(path, 1)
+        model = _hf_model(path, 1, dtype)
         engine = deepspeed.init_inference(
             model,
             tensor_parallel={"tp_size": world},
-            dtype=torch.float32,
+            dtype=getattr(torch, dtype),
             replace_with_kernel_inject=False,
         )
     serve = _rounds(_hf_run(engine.module), args, distributed=True)
@@ -328,12 +382,99 @@ def _deepspeed(rank, world, path, args):
     return serve
 
 
+def _configs(dtype, path, args):
+    """(name, function, world, arguments) of one dtype's group."""
+    ours = [
+        ("ours, tp 2 (2 processes)", _ours, 2, (path, args, 1, dtype)),
+        ("ours, tp 1 (1 process, 2 threads)", _ours, 1, (path, args, 2, dtype)),
+    ]
+    if dtype == "int8":  # no baseline decodes int8 weights on the CPU here
+        return ours
+    return ours + [
+        ("transformers generate (1 process, 2 threads)", _transformers, 1, (path, args, dtype)),
+        (
+            "transformers generate, static cache (1 process, 2 threads)",
+            _transformers,
+            1,
+            (path, args, dtype, "static"),
+        ),
+        (
+            "DeepSpeed init_inference, tp 2 (its shm all-reduce)",
+            _deepspeed,
+            2,
+            (path, args, dtype),
+        ),
+        ('torch parallelize_module, tp 2 over "dsp"', _torch_tp, 2, (path, args, "dsp", dtype)),
+        ("torch parallelize_module, tp 2 over gloo", _torch_tp, 2, (path, args, "gloo", dtype)),
+    ]
+
+
+def _group(dtype, path, args, rounds) -> list[dict]:
+    """One dtype's configurations, set up once and kept (idle while another
+    runs), then timed in interleaved rounds, their order rotating: a drift
+    of the machine favours none. The first row (ours, tp 2) carries the
+    group's floor and collective share."""
+    workers, rows = {}, []
+    for name, fn, world, fargs in _configs(dtype, path, args):
+        try:
+            workers[name] = Workers(fn, world, *fargs)
+            rows.append({"system": name, "dtype": dtype})
+        except RuntimeError as e:  # a baseline that cannot run here is reported as such
+            print(f"{name} ({dtype}): did not run ({e})")
+            rows.append({"system": name, "dtype": dtype, "error": str(e)})
+    bandwidth = Workers(_bandwidth, 2, path, args)
+    samples = {name: {b: [] for b in BATCHES} for name in workers}
+    rates = []
+    names = list(workers)
+    try:
+        for rnd in range(rounds):
+            rates.append(bandwidth.call("measure"))
+            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                for b, values in workers[name].call("round").items():
+                    samples[name][int(b.removeprefix("batch"))].append(values)
+        ours = workers[names[0]]
+        rows[0]["collective_share"] = ours.call("collective_share")
+        weight_bytes = ours.call("weight_bytes")
+    finally:
+        bandwidth.close()
+        for w in workers.values():
+            w.close()
+    for row in rows:
+        if "error" in row:
+            continue
+        for b in BATCHES:
+            per_round = samples[row["system"]][b]
+            row[f"batch{b}"] = {
+                "latency_s": round_stats(per_round),
+                "tokens_per_s": round_stats([[b / t for t in r] for r in per_round]),
+            }
+        print(
+            f"{row['system']} ({dtype})",
+            " ".join(
+                f"batch {b}: {row[f'batch{b}']['latency_s']['median'] * 1e3:.1f} ms/token"
+                for b in BATCHES
+            ),
+        )
+    rate = stats(rates)
+    rows[0]["floor"] = {
+        "weight_bytes_per_rank": weight_bytes,
+        "bandwidth_bytes_per_s": rate,
+        "floor_s": weight_bytes / rate["median"],
+    }
+    print(
+        f"{dtype} floor: {weight_bytes / 2**20:.0f} MiB a rank at "
+        f"{rate['median'] / 1e9:.1f} GB/s = {rows[0]['floor']['floor_s'] * 1e3:.1f} ms/token"
+    )
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds")
     ap.add_argument("--per-round", type=int, default=2, help="samples per round")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8", help="comma-separated groups")
     a = ap.parse_args()
     args = {"new": a.new, "prompt": a.prompt, "per_round": a.per_round}
     import torch
@@ -347,56 +488,9 @@ def main():
         path = os.path.join(root, "llama")
         model.save_pretrained(path)
         del model
-        configs = [
-            ("ours, tp 2 (2 processes)", _ours, 2, (path, args, 1)),
-            ("ours, tp 1 (1 process, 2 threads)", _ours, 1, (path, args, 2)),
-            ("transformers generate (1 process, 2 threads)", _transformers, 1, (path, args)),
-            (
-                "transformers generate, static cache (1 process, 2 threads)",
-                _transformers,
-                1,
-                (path, args, "static"),
-            ),
-            ("DeepSpeed init_inference, tp 2 (its shm all-reduce)", _deepspeed, 2, (path, args)),
-            ('torch parallelize_module, tp 2 over "dsp"', _torch_tp, 2, (path, args, "dsp")),
-            ("torch parallelize_module, tp 2 over gloo", _torch_tp, 2, (path, args, "gloo")),
-        ]
-        # Every configuration set up once and kept (idle while another runs),
-        # then timed in interleaved rounds, their order rotating: a drift of
-        # the machine favours none.
-        workers, rows = {}, []
-        for name, fn, world, fargs in configs:
-            try:
-                workers[name] = Workers(fn, world, *fargs)
-                rows.append({"system": name})
-            except RuntimeError as e:  # a baseline that cannot run here is reported as such
-                print(f"{name}: did not run ({e})")
-                rows.append({"system": name, "error": str(e)})
-        samples = {name: {b: [] for b in BATCHES} for name in workers}
-        names = list(workers)
-        for rnd in range(a.rounds):
-            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
-                for b, values in workers[name].call("round").items():
-                    samples[name][int(b.removeprefix("batch"))].append(values)
-        for row in rows:
-            if "error" in row:
-                continue
-            for b in BATCHES:
-                per_round = samples[row["system"]][b]
-                row[f"batch{b}"] = {
-                    "latency_s": round_stats(per_round),
-                    "tokens_per_s": round_stats([[b / t for t in r] for r in per_round]),
-                }
-            print(
-                row["system"],
-                " ".join(
-                    f"batch {b}: {row[f'batch{b}']['latency_s']['median'] * 1e3:.1f} ms/token"
-                    for b in BATCHES
-                ),
-            )
-        rows[0]["collective_share"] = workers[names[0]].call("collective_share")
-        for w in workers.values():
-            w.close()
+        rows = []
+        for dtype in a.dtypes.split(","):
+            rows += _group(dtype, path, args, a.rounds)
         # Our tp 2 decode under the allocator's exact counters, in processes
         # of their own (the setting slows malloc: no timing runs there).
         os.environ.update(EXACT_MALLOC)
@@ -415,19 +509,18 @@ def main():
             "held growth {held_growth_bytes} B".format(**rows[0]["decode_memory"])
         )
     save("inference", rows, {**vars(a), "llama": LLAMA})
-    base = {b: rows[0][f"batch{b}"]["latency_s"]["median"] for b in BATCHES}
-    print("\nlatency per token (ms), ours tp 2 / theirs")
-    for r in rows:
-        if "error" in r:
-            continue
-        cells = [
-            f"{r[f'batch{b}']['latency_s']['median'] * 1e3:7.1f} "
-            f"({base[b] / r[f'batch{b}']['latency_s']['median']:.2f}x)"
-            for b in BATCHES
-        ]
-        print(f"  {r['system']:<55} " + "  ".join(cells))
-    share = rows[0].get("collective_share", {}).get("decode_share")
-    if share is not None:
+    for dtype in a.dtypes.split(","):
+        group = [r for r in rows if r["dtype"] == dtype and "error" not in r]
+        base = {b: group[0][f"batch{b}"]["latency_s"]["median"] for b in BATCHES}
+        print(f"\n{dtype}: latency per token (ms), ours tp 2 / theirs")
+        for r in group:
+            cells = [
+                f"{r[f'batch{b}']['latency_s']['median'] * 1e3:7.1f} "
+                f"({base[b] / r[f'batch{b}']['latency_s']['median']:.2f}x)"
+                for b in BATCHES
+            ]
+            print(f"  {r['system']:<55} " + "  ".join(cells))
+        share = group[0]["collective_share"]["decode_share"]
         print(f"ours tp 2: {share:.0%} of a batch-1 decode step in the tensor-parallel collectives")
 
 

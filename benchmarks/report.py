@@ -500,40 +500,121 @@ def _trainer(r):
 
 def _inference(r):
     cfg = r["config"]
-    rows = [x for x in r["rows"] if "error" not in x]
-    ours = rows[0]
+    ok = [x for x in r["rows"] if "error" not in x]
+    dtypes = list(dict.fromkeys(x.get("dtype", "float32") for x in ok))
     lines = [
         f"Greedy decoding of a Llama of about 300M parameters, {cfg['prompt']}-token prompts,",
         f"{cfg['new']} new tokens: decode latency per token (slowest rank) and decode tokens/s.",
-        "Ratios are our tp 2 latency over each system's (below 1.0x ours is faster).",
+        "Each dtype is a group timed together; ratios are our tp 2 latency over each",
+        "system's of the same dtype (below 1.0x ours is faster). int8 is ours only:",
+        "weight-only int8 with bfloat16 activations.",
         "",
     ]
-    body = []
-    for x in rows:
-        cells = [x["system"]]
-        for b in (1, 8):
-            lat = x[f"batch{b}"]["latency_s"]
-            cells += [t(lat, 1e3), ratio(ours[f"batch{b}"]["latency_s"], lat)]
-        cells.append(num(x["batch8"]["tokens_per_s"]["median"]))
-        body.append(cells)
-    lines += table(
-        [
-            "system",
-            "batch 1 ms/token",
-            "ours tp 2 / this",
-            "batch 8 ms/token",
-            "ours tp 2 / this",
-            "batch 8 tokens/s",
-        ],
-        body,
-    )
+    head = [
+        "system",
+        "batch 1 ms/token",
+        "ours tp 2 / this",
+        "batch 8 ms/token",
+        "ours tp 2 / this",
+        "batch 8 tokens/s",
+    ]
+    for dtype in dtypes:
+        rows = [x for x in ok if x.get("dtype", "float32") == dtype]
+        ours = rows[0]
+        body = []
+        for x in rows:
+            cells = [x["system"]]
+            for b in (1, 8):
+                lat = x[f"batch{b}"]["latency_s"]
+                cells += [t(lat, 1e3), ratio(ours[f"batch{b}"]["latency_s"], lat)]
+            cells.append(num(x["batch8"]["tokens_per_s"]["median"]))
+            body.append(cells)
+        lines += [f"**{dtype}**", ""] + table(head, body)
     for x in r["rows"]:
         if "error" in x:
-            lines += [f"{x['system']}: did not run ({x['error']}).", ""]
+            lines += [
+                f"{x['system']} ({x.get('dtype', 'float32')}): did not run ({x['error']}).",
+                "",
+            ]
+    floors = [x for x in ok if "floor" in x]
+    if floors:
+        body = []
+        for x in floors:
+            f = x["floor"]
+            lat = x["batch1"]["latency_s"]["median"]
+            body.append(
+                [
+                    x.get("dtype", "float32"),
+                    num(f["weight_bytes_per_rank"] / 2**20),
+                    num(f["bandwidth_bytes_per_s"]["median"] / 1e9),
+                    num(f["floor_s"] * 1e3),
+                    num(lat * 1e3),
+                    f"{lat / f['floor_s']:.2f}x",
+                ]
+            )
+        lines += [
+            "The floor of our tp 2 batch-1 step: the weight bytes one rank reads per step",
+            "over the memory bandwidth one process of one thread gets while the other reads",
+            "too (each summing 512 MB, measured in every round of the same run).",
+            "",
+        ]
+        lines += table(
+            [
+                "dtype",
+                "weights a rank (MiB)",
+                "bandwidth a process (GB/s)",
+                "floor (ms/token)",
+                "ours tp 2, batch 1",
+                "over the floor",
+            ],
+            body,
+        )
+    by_dtype = {x.get("dtype", "float32"): x for x in ok if x["system"].startswith("ours, tp 2")}
+    if "float32" in by_dtype and len(by_dtype) > 1:
+        body = []
+        for dtype, x in by_dtype.items():
+            if dtype == "float32":
+                continue
+            cells = [dtype]
+            for b in (1, 8):
+                cells.append(
+                    ratio(
+                        x[f"batch{b}"]["latency_s"], by_dtype["float32"][f"batch{b}"]["latency_s"]
+                    )
+                )
+            rest = [
+                y
+                for y in ok
+                if y.get("dtype", "float32") == dtype and not y["system"].startswith("ours")
+            ]
+            for b in (1, 8):
+                if rest:
+                    best = min(rest, key=lambda y, b=b: y[f"batch{b}"]["latency_s"]["median"])
+                    cells.append(ratio(x[f"batch{b}"]["latency_s"], best[f"batch{b}"]["latency_s"]))
+                else:
+                    cells.append("-")
+            body.append(cells)
+        lines += [
+            "Our tp 2 in each dtype over our float32 tp 2 (across groups, so measured",
+            "apart), and over the fastest other system of the same dtype (the same group):",
+            "",
+        ]
+        lines += table(
+            [
+                "dtype",
+                "batch 1 / our float32",
+                "batch 8 / our float32",
+                "batch 1 / fastest other",
+                "batch 8 / fastest other",
+            ],
+            body,
+        )
+    ours = ok[0]
     share = ours.get("collective_share", {}).get("decode_share")
     if share is not None:
         lines += [
-            f"Our tp 2 batch-1 decode spends {share:.0%} of its time in the tensor-parallel",
+            f"Our {ours.get('dtype', 'float32')} tp 2 batch-1 decode spends {share:.0%} of its "
+            "time in the tensor-parallel",
             "collectives (torch profiler, CPU time of the ops over the wall time).",
             "",
         ]
@@ -548,6 +629,42 @@ def _inference(r):
             "never moved.",
             "",
         ]
+    return lines
+
+
+def _serve(r):
+    cfg = r["config"]
+    ok = [x for x in r["rows"] if "error" not in x]
+    lines = [
+        f"A Llama of about 300M parameters in {cfg['dtype']}: every client sends one request at",
+        f"once ({cfg['prompt']}-token prompt, {cfg['new']} tokens generated greedily). Throughput",
+        "is the tokens generated over the time to the last request's end; time to first",
+        "token the median over the clients. Ratios are each system's throughput over",
+        "ours with as many clients (below 1.0x ours serves more). The baselines are",
+        "given their requests in hand, without HTTP.",
+        "",
+    ]
+    ours = {x["clients"]: x for x in ok if x["system"].startswith("ours")}
+    body = []
+    for x in ok:
+        mine = ours.get(x["clients"])
+        body.append(
+            [
+                x["system"],
+                str(x["clients"]),
+                t(x["tokens_per_s"]),
+                ratio(x["tokens_per_s"], mine["tokens_per_s"]) if mine else "-",
+                t(x["ttft_s"], 1e3),
+            ]
+        )
+    lines += table(
+        ["system", "clients", "tokens/s", "this / ours", "time to first token (ms)"], body
+    )
+    for x in r["rows"]:
+        if "error" in x:
+            lines += [f"{x['system']}: did not run ({x['error']}).", ""]
+    if os.path.exists(os.path.join(ROOT, "docs", "figures", "serve-throughput.png")):
+        lines += ["![throughput against clients](figures/serve-throughput.png)", ""]
     return lines
 
 
@@ -890,6 +1007,7 @@ SECTIONS = [
     ("models_dtype", "Llama and DeepSeek-V3 in bf16", "models.py --part dtype", _models_dtype),
     ("trainer", "The trainer against the transformers Trainer", "trainer.py", _trainer),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
+    ("serve", "Serving (continuous batching)", "serve.py", _serve),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
     (
         "plan_2",
@@ -1108,12 +1226,16 @@ def _end_to_end(first, row_) -> None:
                 per_token(theirs["tokens_per_s"]),
             )
     if r := first("inference"):
-        ours = _pick(r["rows"], system="ours, tp 2 (2 processes)")
-        rest = [x for x in r["rows"] if not x["system"].startswith("ours")]
+        # bfloat16, what people serve in, where the file has it.
+        ok = [x for x in r["rows"] if "error" not in x]
+        dtype = "bfloat16" if any(x.get("dtype") == "bfloat16" for x in ok) else None
+        ok = [x for x in ok if x.get("dtype") == dtype]
+        ours = _pick(ok, system="ours, tp 2 (2 processes)")
+        rest = [x for x in ok if not x["system"].startswith("ours")]
         theirs = min(rest, key=lambda x: x["batch1"]["latency_s"]["median"]) if rest else None
         if ours and theirs:
             row_(
-                "decoding, batch 1, tp 2",
+                f"decoding, batch 1, tp 2{', ' + dtype if dtype else ''}",
                 f"the fastest other: {theirs['system']}",
                 ours["batch1"]["latency_s"],
                 theirs["batch1"]["latency_s"],

@@ -455,14 +455,25 @@ def test_deepseek_v3_greedy_streamed_and_concurrent(tmp_path_factory):
         _wait_pool_whole(url)
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek", "gpt2"])
-def test_paged_engine_equals_generate_under_preemption(tmp_path, kind):
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [
+        ("llama", torch.float32),
+        ("deepseek", torch.float32),
+        ("gpt2", torch.float32),
+        ("llama", torch.bfloat16),
+        ("deepseek", torch.bfloat16),
+    ],
+)
+def test_paged_engine_equals_generate_under_preemption(tmp_path, kind, dtype):
     """One process, no HTTP: four prompts through a pool of 12 blocks of 4
     positions (they need 69 together) and steps of 7 tokens, so prefills
     are chunked, sequences wait and are preempted; each greedy output is
-    ``transformers``'."""
+    ``transformers``' in float32, and in bfloat16 our own ``generate``'s
+    (the dense cache, the same bfloat16 kernels)."""
     from test_models import _hf_model
 
+    from dsparallel.inference import generate
     from dsparallel.inference.paged import BlockPool
     from dsparallel.models import from_pretrained
     from dsparallel.serve import Engine, SamplingParams
@@ -470,8 +481,8 @@ def test_paged_engine_equals_generate_under_preemption(tmp_path, kind):
     torch.manual_seed(20)
     hf = _hf_model(kind).float().eval()
     hf.save_pretrained(tmp_path)
-    model = from_pretrained(str(tmp_path))
-    pool = BlockPool(model, 12, 4, torch.float32)
+    model = from_pretrained(str(tmp_path), dtype=dtype)
+    pool = BlockPool(model, 12, 4, dtype)
     engine = Engine(model, None, pool, max_model_len=64, max_num_batched_tokens=7)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
@@ -497,14 +508,17 @@ def test_paged_engine_equals_generate_under_preemption(tmp_path, kind):
     assert engine.preemptions > 0
     assert pool.num_free == pool.num_blocks
     for i, p in enumerate(prompts):
-        with torch.no_grad():
-            want = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=10,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
+        if dtype == torch.float32:
+            with torch.no_grad():
+                want = hf.generate(
+                    torch.tensor([p]),
+                    max_new_tokens=10,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+        else:
+            want = generate(model, torch.tensor([p]), max_new_tokens=10)
         assert got[i] == want[0, len(p) :].tolist()
 
 
