@@ -8,9 +8,13 @@ table as it goes. A request that finds no free blocks waits in the queue;
 when a running sequence cannot grow, the most recently admitted one is
 preempted (its blocks freed, its tokens recomputed later, as vLLM does).
 Rank 0 broadcasts the step's plan (token ids, positions, cache slots,
-attention groups) over the model's group; every rank runs the same
-forward; rank 0 samples each sequence's token with its own parameters and
-generator, and reports tokens and text to the request.
+attention groups) to every rank of the model; the tensor-parallel ranks
+of a stage run the same forward. Under pipeline parallelism the step's
+sequences are split into up to pp micro-batches that go through the
+stages together (stage s runs micro-batch m while stage s + 1 runs m - 1),
+and the last stage sends the logits back to rank 0. Rank 0 samples each
+sequence's token with its own parameters and generator, and reports
+tokens and text to the request.
 
 Ranks other than 0 only follow (``Engine.follow``). While idle, rank 0
 sends a heartbeat every few seconds so that no rank waits past the
