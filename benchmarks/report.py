@@ -27,6 +27,9 @@ BEGIN, END = "<!-- performance table: begin -->", "<!-- performance table: end -
 MODELS_GUIDE = os.path.join(ROOT, "docs", "guides", "models.md")
 DEEPSEEK_BEGIN = "<!-- deepseek layouts: begin -->"
 DEEPSEEK_END = "<!-- deepseek layouts: end -->"
+SERVING_GUIDE = os.path.join(ROOT, "docs", "guides", "serving.md")
+SERVING_BEGIN = "<!-- serving measurements: begin -->"
+SERVING_END = "<!-- serving measurements: end -->"
 
 
 # --- formatting -------------------------------------------------------------
@@ -437,6 +440,47 @@ def deepseek_layouts(results) -> str:
         DEEPSEEK_END,
     ]
     return "\n".join(lines)
+
+
+def serving_measurements(results) -> str:
+    """The serving guide's measurements: the serve benchmark's table and
+    plot, and int8's accuracy."""
+    lines = [SERVING_BEGIN, ""]
+    for r in results.get("serve", [])[:1]:
+        lines += [f"Measured (`{r['file']}`; {machine_line(r['machine'])}):", ""]
+        body = _serve(r)
+        lines += [x.replace("](figures/", "](../figures/") for x in body]
+    for r in results.get("quantization", [])[:1]:
+        lines += [f"Accuracy (`{r['file']}`; {machine_line(r['machine'])}):", ""]
+        lines += _quantization(r)
+    if len(lines) == 2:
+        lines += ["Not measured yet: run `python benchmarks/serve.py`.", ""]
+    lines.append(SERVING_END)
+    return "\n".join(lines)
+
+
+def _quantization(r):
+    cfg = r["config"]
+    lines = [
+        f"The main job's Llama (`{cfg['model']}`, trained on the docs) scored on the held-out",
+        f"`{cfg['text']}` in windows of {cfg['window']} tokens ({r['rows'][0]['tokens']} predicted"
+        " tokens): perplexity, and against our float32 the largest logit difference (over the",
+        "largest logit) and the share of positions whose most likely next token is unchanged.",
+        "",
+    ]
+    body = [
+        [
+            x["system"],
+            f"{x['perplexity']:.3f}",
+            f"{x['perplexity_over_float32']:.4f}x",
+            f"{x['max_logit_error']:.2%}" if "max_logit_error" in x else "-",
+            f"{x['top1_agreement']:.1%}" if "top1_agreement" in x else "-",
+        ]
+        for x in r["rows"]
+    ]
+    return lines + table(
+        ["weights", "perplexity", "over our float32", "largest logit change", "same top-1"], body
+    )
 
 
 def _models(r):
@@ -1008,6 +1052,7 @@ SECTIONS = [
     ("trainer", "The trainer against the transformers Trainer", "trainer.py", _trainer),
     ("inference", "Inference (generation with a KV cache)", "inference.py", _inference),
     ("serve", "Serving (continuous batching)", "serve.py", _serve),
+    ("quantization", "Accuracy of bfloat16 and int8 weights", "quantization.py", _quantization),
     ("context_parallel", "Context parallel", "context_parallel.py", _context_parallel),
     (
         "plan_2",
@@ -1264,6 +1309,9 @@ def main():
         README: with_block(README, BEGIN, END, headline(results)),
         MODELS_GUIDE: with_block(
             MODELS_GUIDE, DEEPSEEK_BEGIN, DEEPSEEK_END, deepseek_layouts(results)
+        ),
+        SERVING_GUIDE: with_block(
+            SERVING_GUIDE, SERVING_BEGIN, SERVING_END, serving_measurements(results)
         ),
     }
     stale = []

@@ -483,21 +483,21 @@ class CausalLM(nn.Module):
         return logits[:, : self.config.vocab_size]
 
     @torch.no_grad()
-    def paged_step(self, input_ids, position_ids, paged, rows) -> torch.Tensor:
-        """One forward of a continuous batch over a paged KV cache
-        (``dsparallel.inference.paged``): ``input_ids`` and ``position_ids``
-        [1, tokens], every sequence's new tokens one after another;
-        ``paged`` the step's ``PagedStep``; ``rows`` the positions in
-        ``tokens`` whose next-token logits are wanted. Returns them, full
-        vocabulary [len(rows), vocab], on every tensor-parallel rank."""
-        if self.layout.pp_size > 1:
-            raise NotImplementedError(
-                f"{type(self).__name__}.paged_step: the paged cache runs one pipeline stage"
-            )
-        h = self.embed(input_ids, position_ids)
+    def paged_stage(self, stage: int, x, position_ids, paged, rows) -> torch.Tensor:
+        """Pipeline stage ``stage`` of one continuous-batching step over a
+        paged KV cache (``dsparallel.inference.paged``): ``x`` the token ids
+        [1, tokens] (stage 0; every sequence's new tokens one after another)
+        or the previous stage's hidden states; ``position_ids`` [1, tokens];
+        ``paged`` the step's ``PagedStep``; ``rows`` the places in
+        ``tokens`` whose next-token logits are wanted. Returns the hidden
+        states, or on the last stage those logits, full vocabulary
+        [len(rows), vocab], on every tensor-parallel rank."""
+        h = self.embed(x, position_ids) if stage == 0 else x
         cos, sin = self.rotary.cos_sin(position_ids, h.dtype)
-        for index in self.stage_layers[self.stage_ids[0]]:
+        for index in self.stage_layers[stage]:
             h = self.layers[index](h, cos, sin, None, paged.layer(index))
+        if stage < self.num_stages - 1:
+            return h
         logits = last_logits(self.vocab_parallel_logits(h[rows].transpose(0, 1)), self.layout)
         return logits[:, : self.config.vocab_size]
 

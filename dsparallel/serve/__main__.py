@@ -79,18 +79,14 @@ def build(args):
     from .engine import Engine
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = args.tensor_parallel or world // args.pipeline_parallel
-    if args.pipeline_parallel != 1:
+    pp = args.pipeline_parallel
+    tp = args.tensor_parallel or world // pp
+    if tp * pp != world:
         raise SystemExit(
-            "dsparallel.serve: --pipeline-parallel > 1 is not supported yet; "
-            "serve with --tensor-parallel"
+            f"dsparallel.serve: --tensor-parallel {tp} x --pipeline-parallel {pp} must equal "
+            f"the number of processes ({world})"
         )
-    if tp * args.pipeline_parallel != world:
-        raise SystemExit(
-            f"dsparallel.serve: --tensor-parallel {tp} x --pipeline-parallel "
-            f"{args.pipeline_parallel} must equal the number of processes ({world})"
-        )
-    state = dsparallel.init_parallel(tensor_parallel_size=tp)
+    state = dsparallel.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model = from_pretrained(args.model, state, dtype=dtype).eval()
     if args.quantize == "int8":
@@ -109,9 +105,9 @@ def build(args):
         blocks = int(_available_bytes() / max(world, 1) * args.kv_cache_memory) // per_block
         # More than every sequence at full length is never used.
         blocks = min(blocks, args.max_num_seqs * -(-max_model_len // args.block_size))
-        if tp > 1:  # every rank the same pool: the smallest
+        if world > 1:  # every rank the same pool: the smallest
             box = torch.tensor([blocks])
-            dist.all_reduce(box, op=dist.ReduceOp.MIN, group=state.tp_group)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN)
             blocks = int(box)
     pool = BlockPool(model, blocks, args.block_size, cache_dtype)
     tokenizer, defaults, eos = None, {}, ()
@@ -172,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.start()
         app = make_app(Server(engine, tokenizer, name, defaults))
         print(
-            f"dsparallel.serve: {name} at tp {state.tp_size}, {engine.pool.num_blocks} KV "
+            f"dsparallel.serve: {name} at tp {state.tp_size} x pp {state.pp_size}, "
+            f"{engine.pool.num_blocks} KV "
             f"blocks of {engine.pool.block_size} ({engine.pool.nbytes / 2**20:.0f} MiB a rank), "
             f"http://{args.host}:{args.port}/v1",
             flush=True,

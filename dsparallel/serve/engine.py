@@ -8,9 +8,13 @@ table as it goes. A request that finds no free blocks waits in the queue;
 when a running sequence cannot grow, the most recently admitted one is
 preempted (its blocks freed, its tokens recomputed later, as vLLM does).
 Rank 0 broadcasts the step's plan (token ids, positions, cache slots,
-attention groups) over the model's group; every rank runs the same
-forward; rank 0 samples each sequence's token with its own parameters and
-generator, and reports tokens and text to the request.
+attention groups) to every rank of the model; the tensor-parallel ranks
+of a stage run the same forward. Under pipeline parallelism the step's
+sequences are split into up to pp micro-batches that go through the
+stages together (stage s runs micro-batch m while stage s + 1 runs m - 1),
+and the last stage sends the logits back to rank 0. Rank 0 samples each
+sequence's token with its own parameters and generator, and reports
+tokens and text to the request.
 
 Ranks other than 0 only follow (``Engine.follow``). While idle, rank 0
 sends a heartbeat every few seconds so that no rank waits past the
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from ..inference.fast_linear import fast_decoding
 from ..inference.paged import BlockPool, PagedStep, plan_group
+from ..models.forward_stages import ForwardStages
 
 _IDLE, _STOP = "idle", "stop"
 _HEARTBEAT_S = 5.0
@@ -99,7 +104,9 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
     ):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
-        self.group = model.layout.tp_group if model.layout.tp_size > 1 else None
+        # The plan goes to every rank of the model (tp x pp).
+        many = dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.group.WORLD if many else None
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.budget, self.max_waiting = max_num_batched_tokens, max_waiting
         self.eos = tuple(eos_token_ids)
@@ -210,12 +217,46 @@ class Engine:
         if self.group is None:
             return plan
         box = [plan]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _forward(self, plan) -> torch.Tensor:
-        step = PagedStep(self.pool, plan["slots"], plan["groups"])
-        return self.model.paged_step(plan["ids"][None], plan["positions"][None], step, plan["rows"])
+    def _forward(self, plans: list[dict]) -> torch.Tensor | None:
+        """Runs this rank's stages over the step's micro-batches (in flight
+        together under pipeline parallelism: while stage s runs micro-batch
+        m, stage s - 1 runs m + 1); returns the logits of every due row, in
+        order, on global rank 0 (None elsewhere)."""
+        model = self.model
+        steps = [PagedStep(self.pool, p["slots"], p["groups"]) for p in plans]
+        if model.layout.pp_size == 1:
+            (plan,) = plans
+            ids, positions = plan["ids"][None], plan["positions"][None]
+            return model.paged_stage(0, ids, positions, steps[0], plan["rows"])
+        stages = ForwardStages(model)
+        hidden, dtype = model.config.hidden_size, model._dtype()
+
+        def compute(stage, m, x):
+            p = plans[m]
+            return model.paged_stage(stage, x, p["positions"][None], steps[m], p["rows"])
+
+        out = stages.step(
+            len(plans),
+            lambda m: plans[m]["ids"][None],
+            compute,
+            lambda stage, m: ((len(plans[m]["ids"]), 1, hidden), dtype),
+        )
+        # The last stage's first tensor-parallel rank sends the logits to
+        # global rank 0 (the first stage's), over the pipeline group.
+        last = model.stage_owner(model.num_stages - 1)
+        lay = model.layout
+        logits = torch.cat([out[m] for m in range(len(plans))]) if out else None
+        if lay.tp_rank == 0 and last != 0:
+            rows = sum(len(p["rows"]) for p in plans)
+            if lay.pp_rank == last:
+                stages.send("logits", logits.float().contiguous(), 0)
+            elif lay.pp_rank == 0:
+                logits = stages.recv((rows, model.config.vocab_size), torch.float32, last)
+        stages.finish()
+        return logits if dist.get_rank() == 0 else None
 
     def _schedule(self):
         """The next step's plan and its sequences [(seq, start, count)], or
@@ -271,7 +312,26 @@ class Engine:
             budget -= count
         return batch
 
-    def _plan(self, batch) -> dict:
+    def _plan(self, batch) -> list[dict]:
+        """The step's micro-batches (one per pipeline rank at most, the
+        sequences split in order, balanced by tokens), each one plan."""
+        parts = min(self.model.layout.pp_size, len(batch))
+        if parts == 1:
+            return [self._micro_plan(batch)]
+        total = sum(c for _, _, c in batch)
+        plans, part, done = [], [], 0
+        for i, item in enumerate(batch):
+            part.append(item)
+            done += item[2]
+            left = len(batch) - i - 1
+            need = parts - len(plans) - 1  # parts still to fill after this one
+            if need and (done >= total * (len(plans) + 1) / parts or left == need):
+                plans.append(self._micro_plan(part))
+                part = []
+        plans.append(self._micro_plan(part))
+        return plans
+
+    def _micro_plan(self, batch) -> dict:
         ids, positions, slots, rows = [], [], [], []
         bs = self.pool.block_size
         for seq, start, count in batch:

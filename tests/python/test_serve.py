@@ -89,7 +89,7 @@ def _health(url: str) -> dict:
 
 
 @contextlib.contextmanager
-def _server(path: str, *extra: str):
+def _server(path: str, *extra: str, tp: int = 2, pp: int = 1):
     port = free_port()
     cmd = [
         sys.executable,
@@ -589,3 +589,31 @@ def test_int8_logits_within_tolerance_of_float32(tmp_path, kind, world):
         assert saved > 0 and quantized >= 9
         assert error < 0.03, error
         assert same
+
+
+def test_pipeline_parallel_serving_equals_transformers(tmp_path_factory):
+    """pp 2: each step's sequences split into two micro-batches in flight
+    through the two stages; greedy outputs of 6 concurrent clients (one
+    streamed) are ``transformers``'."""
+    path, hf, _ = _checkpoint(tmp_path_factory.mktemp("serve-pp"), "llama")
+    prompts = _prompts(6, seed=8)
+    with _server(path, tp=1, pp=2) as url:
+        jobs = [
+            (
+                0.02 * i,
+                dict(
+                    model="llama",
+                    prompt=p,
+                    max_tokens=12,
+                    temperature=0,
+                    stream=i == 0,
+                    extra_body={"return_token_ids": True},
+                ),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        results = _concurrent(url, jobs)
+        for prompt, out in zip(prompts, results):
+            assert not isinstance(out, Exception), out
+            assert out == _greedy(hf, prompt, 12)
+        _wait_pool_whole(url)
