@@ -437,6 +437,17 @@ MP_LAYOUTS = {  # name: (model, tp, pp, ep, cp, zero, model kwargs)
     "deepseek-tp2-sp": ("deepseek", 2, 1, 1, 1, 0, {"sequence_parallel": True}),
     "deepseek-pp2-recompute": ("deepseek", 1, 2, 1, 1, 0, {"checkpoint": True}),
     "deepseek-cp2": ("deepseek", 1, 1, 1, 2, 1, {}),
+    # The routed experts split over the two tensor-parallel ranks.
+    "deepseek-tp2-ep2-over-tp": ("deepseek", 2, 1, 2, 1, 0, {"experts_over_tp": True}),
+    "deepseek-tp2-sp-ep2-over-tp": (
+        "deepseek",
+        2,
+        1,
+        2,
+        1,
+        0,
+        {"experts_over_tp": True, "sequence_parallel": True},
+    ),
     # torch's FSDP2 over "dsp" with torch's own MixedPrecisionPolicy.
     "fsdp2-torch-policy": ("llama", 1, 1, 1, 1, 0, {"fsdp": True}),
     # Two stages per rank (four layers): in a V under ZBV (whose backward
@@ -511,8 +522,14 @@ def _mp_body(rank, world, paths, layouts):
     out = {}
     for name in layouts:
         kind, tp, pp, ep, cp, zero, kwargs = MP_LAYOUTS[name]
-        state = dsparallel.init_parallel(tp, pp, expert_parallel_size=ep, context_parallel_size=cp)
         kwargs = dict(kwargs)
+        state = dsparallel.init_parallel(
+            tp,
+            pp,
+            expert_parallel_size=ep,
+            context_parallel_size=cp,
+            experts_over_tp=kwargs.pop("experts_over_tp", False),
+        )
         policy = dsparallel.MixedPrecision(reduce_dtype=kwargs.pop("reduce_dtype", torch.float32))
         fsdp = kwargs.pop("fsdp", False)
         overlap = kwargs.pop("overlap_param_gather", False)
