@@ -68,6 +68,9 @@ def _checkpoint(root, kind: str):
     path = str(root / kind)
     hf.save_pretrained(path)
     tok.save_pretrained(path)
+    # The checkpoint's defaults: greedy unless a request samples.
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": False, "eos_token_id": eos, "bos_token_id": eos}, f)
     return path, hf, tok
 
 
@@ -185,6 +188,12 @@ def test_greedy_completions_equal_transformers(llama):
             ids += _ids(chunk.choices[0])
             text += chunk.choices[0].text
         assert ids == want and text == out.choices[0].text
+    # No temperature: generation_config.json's do_sample false makes it greedy.
+    prompt = _prompts(1, seed=12)[0]
+    out = client.completions.create(
+        model="llama", prompt=prompt, max_tokens=12, extra_body={"return_token_ids": True}
+    )
+    assert _ids(out.choices[0]) == _greedy(hf, prompt, 12)
 
 
 def test_chat_uses_the_template(llama):
