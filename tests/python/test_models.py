@@ -20,7 +20,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -589,15 +588,14 @@ def _batches():
 
 
 def _trainer(path, tp, pp, ep, zero, cp=1, cp_mode="ring", recompute=False, fold=False):
-    """(model, optimizer, step function) at one layout as examples/train_hf.py
+    """(model, optimizer, step function) at one layout as the trainer's step
     trains it (``make_trainer``), fp64 (so that layouts differ by rounding
     only), ZeRO ``zero`` (0: none, 1, 2; "fsdp": torch's FSDP2 over the
     data-parallel ranks, per decoder layer and the root), context
     parallelism ``cp`` (gradients reduced over dp x cp), ``fold``: the
     experts split over the tp ranks too (``experts_over_tp``). The step returns
     the mean loss over the ranks that computed one."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_hf import make_trainer
+    from train_steps import make_trainer
 
     import dsparallel
     from dsparallel.models import from_pretrained

@@ -143,9 +143,8 @@ HF_LAYOUTS = [
 
 
 def _hf_body(rank, world, layouts):
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from test_models import MODELS
-    from train_hf import make_trainer
+    from train_steps import make_trainer
 
     import dsparallel
     from dsparallel.models import DeepseekV3, Llama

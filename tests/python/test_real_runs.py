@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -217,13 +216,12 @@ def _tied_batches() -> list[torch.Tensor]:
 
 
 def _tied_body(rank, world, path, zero):
-    """3 AdamW steps at pp 2 x dp 2 as examples/train_hf.py trains (our DDP
+    """3 AdamW steps at pp 2 x dp 2 as the trainer's step trains (our DDP
     around each stage, ZeRO ``zero``), or at dp 4 under torch's FSDP2
     ("fsdp": the one tied tensor sharded; FSDP2 under a pipeline is
     refused, ``test_fsdp2_under_a_pipeline_is_refused``); the whole
     model's weights after them."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_hf import make_trainer
+    from train_steps import make_trainer
 
     import dsparallel
     from dsparallel.models import from_pretrained
@@ -298,8 +296,7 @@ def _clip_body(rank, world, path, tp, pp, zero):
     """One backward of the clip batch at (tp, pp, dp = the rest), ZeRO
     ``zero``; the model's norm before clipping and after it, and (without
     ZeRO-2, which keeps no .grad) the clipped gradients."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_hf import make_trainer
+    from train_steps import make_trainer
 
     import dsparallel
     from dsparallel.models import from_pretrained
@@ -358,8 +355,7 @@ def _bf16_run(path, tp, pp, zero, batches, ckpt=None, load=False, mixed=False):
     float32 masters) at (tp, pp, dp = the rest) with ZeRO ``zero`` (0:
     torch's AdamW); saves a checkpoint after them (``ckpt``) or loads one
     before them (``load``)."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_hf import make_trainer
+    from train_steps import make_trainer
 
     import dsparallel
     from dsparallel.models import from_pretrained
@@ -511,9 +507,8 @@ def _by_hand(hf) -> dict[str, torch.Tensor]:
 
 def _mp_body(rank, world, paths, layouts):
     """MP_STEPS AdamW steps of bf16 mixed precision at each layout (as
-    examples/train_hf.py trains); the float32 masters after them."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_hf import make_trainer
+    the trainer's step trains); the float32 masters after them."""
+    from train_steps import make_trainer
 
     import dsparallel
     from dsparallel.models import from_pretrained

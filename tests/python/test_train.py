@@ -563,3 +563,47 @@ def test_a_kill_during_an_async_checkpoint_write_resumes_from_the_previous_one(
     assert f"resumed from {ck / 'step-4'} after step 4" in out, out[-3000:]
     _assert_same_after(4, _losses(str(tmp_path / "killed.jsonl")), uninterrupted)
     assert sorted(os.listdir(ck)) == [f"step-{s}" for s in (12, 16, 4, 8)]
+
+
+# ------------------------------------------- context parallel, another layout
+
+
+def test_context_parallel_runs_resume_at_another_layout(corpus, tmp_path):
+    """Llama in fp64 at tp 2 x cp 2 (ring), 8 steps, checkpoints at 4 and 8;
+    resumed from step 4 at pp 2 x cp 2 (Ulysses), steps 5-8 are the first
+    run's (rounding only: the layouts add in other orders); DeepSeek-V3 at
+    ep 2 x cp 2 with ZeRO 1 learns."""
+    vocab = Tokenizer(str(corpus / "tok")).vocab_size
+    model_dir = str(tmp_path / "hf")
+    _save_hf("llama", model_dir, vocab)
+    ck = tmp_path / "ck"
+    model = dict(name=model_dir, dtype="float64")
+    first = _job(corpus, model=model, parallel=dict(tensor=2, context=2))
+    first["train"]["steps"] = 8
+    first["optim"]["lr"] = 1e-2
+    first["checkpoint"] = dict(dir=str(ck), every=4, keep=0)
+    want = run_ranks(_fit, 4, first, timeout=240)[0]["loss"]
+    second = _job(
+        corpus,
+        model=model,
+        parallel=dict(pipeline=2, micro_batches=2, context=2, cp_mode="ulysses"),
+    )
+    second["train"]["steps"] = 8
+    second["optim"]["lr"] = 1e-2
+    second["checkpoint"] = dict(dir=str(tmp_path / "ck2"), resume=str(ck / "step-4"))
+    got = run_ranks(_fit, 4, second, timeout=240)[0]["loss"]
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-9), step
+    assert want[8] < want[1] - 0.5  # it learns
+    deepseek = str(tmp_path / "deepseek")
+    _save_hf("deepseek", deepseek, vocab)
+    job = _job(
+        corpus,
+        model=dict(name=deepseek),
+        parallel=dict(expert=2, context=2, zero_stage=1),
+    )
+    job["train"]["steps"] = 12
+    job["optim"]["lr"] = 1e-2
+    losses = run_ranks(_fit, 4, job, timeout=240)[0]["loss"]
+    assert losses[12] < losses[1] - 0.5, losses
