@@ -55,12 +55,8 @@ class Server:
     checkpoint's generation defaults."""
 
     def __init__(self, engine, tokenizer, model_name: str, defaults: dict):
-        self.engine, self.tokenizer, self.name, self.defaults = (
-            engine,
-            tokenizer,
-            model_name,
-            defaults,
-        )
+        self.engine, self.tokenizer = engine, tokenizer
+        self.name, self.defaults = model_name, defaults
 
     # --------------------------------------------------------------- inputs
 
@@ -76,9 +72,9 @@ class Server:
         max_tokens = _number(body, name, room, int, 1)
         if max_tokens > room:
             raise BadRequest(
-                f"the prompt ({prompt_len} tokens) plus {max_name} ({max_tokens}) is more than "
+                f"the prompt ({prompt_len} tokens) plus {name} ({max_tokens}) is more than "
                 f"the model's context of {self.engine.max_model_len} tokens",
-                param=max_name,
+                param=name,
             )
         d = self.defaults
         greedy_default = d.get("do_sample") is False
@@ -177,7 +173,10 @@ class Server:
                     queue: asyncio.Queue = asyncio.Queue()
 
                     def sink(event, queue=queue):
-                        loop.call_soon_threadsafe(queue.put_nowait, event)
+                        try:
+                            loop.call_soon_threadsafe(queue.put_nowait, event)
+                        except RuntimeError:  # the server is shutting down
+                            pass
 
                     seq = self.engine.submit(prompt, params, sink)
                     launched.append((queue, seq))
