@@ -243,29 +243,37 @@ def _concurrent(url, jobs):
     return results
 
 
-def test_eight_concurrent_clients_keep_every_greedy_output(llama):
-    url, hf, _ = llama
-    prompts = _prompts(8, seed=1)
-    tokens = [16 + 3 * i for i in range(8)]
+def _greedy_clients(url, hf, model, prompts, tokens, spacing, streamed=lambda i: False):
+    """One client a prompt, the i-th starting ``spacing`` x i seconds in (the
+    ones ``streamed(i)`` streamed), each greedy output held to
+    ``transformers``'; returns the outputs."""
     jobs = [
         (
-            0.03 * i,
+            spacing * i,
             dict(
-                model="llama",
+                model=model,
                 prompt=p,
                 max_tokens=n,
                 temperature=0,
-                stream=bool(i % 2),
+                stream=streamed(i),
                 extra_body={"return_token_ids": True},
             ),
         )
         for i, (p, n) in enumerate(zip(prompts, tokens))
     ]
-    before = _health(url)["steps"]
     results = _concurrent(url, jobs)
     for prompt, n, out in zip(prompts, tokens, results):
         assert not isinstance(out, Exception), out
         assert out == _greedy(hf, prompt, n)
+    return results
+
+
+def test_eight_concurrent_clients_keep_every_greedy_output(llama):
+    url, hf, _ = llama
+    prompts = _prompts(8, seed=1)
+    tokens = [16 + 3 * i for i in range(8)]
+    before = _health(url)["steps"]
+    results = _greedy_clients(url, hf, "llama", prompts, tokens, 0.03, lambda i: i % 2 == 1)
     # Batched: fewer steps than the tokens generated one request at a time.
     steps = _health(url)["steps"] - before
     assert steps < sum(len(r) for r in results)
@@ -435,23 +443,7 @@ def test_deepseek_v3_greedy_streamed_and_concurrent(tmp_path_factory):
     path, hf, _ = _checkpoint(tmp_path_factory.mktemp("serve-ds"), "deepseek")
     prompts = _prompts(4, seed=4)
     with _server(path) as url:
-        jobs = [
-            (
-                0.2 * i,
-                dict(
-                    model="deepseek",
-                    prompt=p,
-                    max_tokens=10,
-                    temperature=0,
-                    extra_body={"return_token_ids": True},
-                ),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        results = _concurrent(url, jobs)
-        for prompt, out in zip(prompts, results):
-            assert not isinstance(out, Exception), out
-            assert out == _greedy(hf, prompt, 10)
+        results = _greedy_clients(url, hf, "deepseek", prompts, [10] * len(prompts), 0.2)
         streamed = _client(url).completions.create(
             model="deepseek",
             prompt=prompts[0],
@@ -607,22 +599,5 @@ def test_pipeline_parallel_serving_equals_transformers(tmp_path_factory):
     path, hf, _ = _checkpoint(tmp_path_factory.mktemp("serve-pp"), "llama")
     prompts = _prompts(6, seed=8)
     with _server(path, tp=1, pp=2) as url:
-        jobs = [
-            (
-                0.02 * i,
-                dict(
-                    model="llama",
-                    prompt=p,
-                    max_tokens=12,
-                    temperature=0,
-                    stream=i == 0,
-                    extra_body={"return_token_ids": True},
-                ),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        results = _concurrent(url, jobs)
-        for prompt, out in zip(prompts, results):
-            assert not isinstance(out, Exception), out
-            assert out == _greedy(hf, prompt, 12)
+        _greedy_clients(url, hf, "llama", prompts, [12] * len(prompts), 0.02, lambda i: i == 0)
         _wait_pool_whole(url)
