@@ -227,6 +227,8 @@ def make_app(server: Server):
             "kv_blocks_free": engine.pool.num_free,
             "steps": engine.steps,
             "preemptions": engine.preemptions,
+            "tensor_parallel": engine.model.layout.tp_size,
+            "pipeline_parallel": engine.model.layout.pp_size,
         }
 
     @app.get("/v1/models")

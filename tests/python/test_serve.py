@@ -99,7 +99,7 @@ def _server(path: str, *extra: str, tp: int = 2, pp: int = 1):
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(tp * pp),
         "--master-port",
         str(free_port()),
         "-m",
@@ -107,7 +107,9 @@ def _server(path: str, *extra: str, tp: int = 2, pp: int = 1):
         "--model",
         path,
         "--tensor-parallel",
-        "2",
+        str(tp),
+        "--pipeline-parallel",
+        str(pp),
         "--port",
         str(port),
         "--num-blocks",
@@ -599,5 +601,7 @@ def test_pipeline_parallel_serving_equals_transformers(tmp_path_factory):
     path, hf, _ = _checkpoint(tmp_path_factory.mktemp("serve-pp"), "llama")
     prompts = _prompts(6, seed=8)
     with _server(path, tp=1, pp=2) as url:
+        health = _health(url)
+        assert (health["tensor_parallel"], health["pipeline_parallel"]) == (1, 2)
         _greedy_clients(url, hf, "llama", prompts, [12] * len(prompts), 0.02, lambda i: i == 0)
         _wait_pool_whole(url)
