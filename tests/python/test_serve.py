@@ -53,7 +53,9 @@ def _checkpoint(root, kind: str):
     base = LLAMA if kind == "llama" else DEEPSEEK
     values = dict(
         base,
-        vocab_size=len(tok),
+        # One more than the tokenizer's 384: a vocabulary tp 2 does not
+        # divide, padded inside the embedding and head.
+        vocab_size=len(tok) + 1,
         max_position_embeddings=CONTEXT,
         eos_token_id=eos,
         bos_token_id=eos,
