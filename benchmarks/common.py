@@ -4,7 +4,8 @@ over repeats, and the one JSON file per benchmark and machine class that
 
 A result file is ``benchmarks/results/<benchmark>-<machine class>.json``;
 re-running a benchmark on the same class of machine replaces it (git keeps
-the history). Each row holds, per measured quantity, the median, min and max
+the history), and records the commit and a hash of the files it measured
+(``sources.py``). Each row holds, per measured quantity, the median, min and max
 over at least ``MIN_REPEATS`` repeats (``stats``).
 
 Timing inside a process group: every sample is one call timed on each rank
@@ -135,13 +136,15 @@ def stats(samples) -> dict:
 
 def save(benchmark: str, rows: list[dict], config: dict, path: str | None = None) -> str:
     """Writes the benchmark's result file and returns its path."""
+    from sources import sources_hash
+
     m = machine()
     path = path or os.path.join(RESULTS, f"{benchmark}-{machine_class(m)}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    # The hash of what was measured, for report.py to tell when it is stale.
+    result = {"benchmark": benchmark, "machine": m, "sources": sources_hash(benchmark)}
     with open(path, "w") as f:
-        json.dump(
-            {"benchmark": benchmark, "machine": m, "config": config, "rows": rows}, f, indent=1
-        )
+        json.dump({**result, "config": config, "rows": rows}, f, indent=1)
         f.write("\n")
     print(f"results: {os.path.relpath(path, ROOT)}")
     return path

@@ -6,7 +6,9 @@ by the benchmarks through benchmarks/common.py).
     python benchmarks/report.py --check   # exit 1 if either differs from what it would write
 
 Nothing here measures: every number printed comes from a results file, so
-the same files always give the same bytes. Times are medians over the
+the same files always give the same bytes. A result whose measured sources
+(benchmarks/sources.py) have changed since it was measured is marked stale
+on both pages. Times are medians over the
 repeats with [min-max]; a ratio a / b is the ratio of the medians with the
 range min(a) / max(b) to max(a) / min(b) beside it.
 """
@@ -18,6 +20,8 @@ import glob
 import json
 import os
 import sys
+
+from sources import sources_hash
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -89,8 +93,27 @@ def load() -> dict[str, list[dict]]:
         with open(path) as f:
             r = json.load(f)
         r["file"] = os.path.relpath(path, ROOT)
+        r["stale"] = stale(r)
         out.setdefault(r["benchmark"], []).append(r)
     return out
+
+
+def stale(r: dict) -> str | None:
+    """Why the result no longer measures the code in this tree, or None:
+    the files its benchmark measures (benchmarks/sources.py) hash otherwise
+    now than when it was measured. A result from before results recorded
+    the hash is held against its commit's files; one measured on
+    uncommitted code without a hash cannot be, and is stale."""
+    now = sources_hash(r["benchmark"])
+    then = r.get("sources")
+    commit = r["machine"]["commit"]
+    if then is None:
+        if "+" in commit or commit == "unknown":
+            return f"measured on uncommitted code ({commit}) and recorded no source hash"
+        then = sources_hash(r["benchmark"], commit)
+    if then != now:
+        return f"the files it measures have changed since {commit.split('+')[0]}"
+    return None
 
 
 def _floor(r):
@@ -1082,6 +1105,9 @@ def performance_md(results: dict[str, list[dict]]) -> str:
         "with the range min(a) / max(b) to max(a) / min(b) in brackets. Below 1.0x the",
         "first named takes less time. Each baseline runs in the same processes and run",
         "as ours, at its defaults and, where it has them, at its best settings.",
+        "A section marked **Stale** was measured on code that has changed since:",
+        "each result records a hash of the files its benchmark measures (listed in",
+        "`benchmarks/sources.py`), and the page is regenerated against the tree.",
         "",
         "## Machines",
         "",
@@ -1102,6 +1128,12 @@ def performance_md(results: dict[str, list[dict]]) -> str:
         for r in results.get(key, []):
             lines += [f"## {title}", ""]
             lines += [f"`benchmarks/{script}` on {machine_line(r['machine'])}.", ""]
+            if r["stale"]:
+                lines += [
+                    f"**Stale:** {r['stale']}: re-run `python benchmarks/{script}` on this"
+                    " machine class to refresh these numbers.",
+                    "",
+                ]
             lines += render(r)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -1135,8 +1167,9 @@ def headline(results: dict[str, list[dict]]) -> str:
     differ; and what each ratio's range says."""
     body = []
 
-    def row_(what: str, against: str, ours: dict, theirs: dict) -> None:
-        body.append([what, against, ratio(ours, theirs), verdict(ours, theirs)])
+    def row_(r: dict, what: str, against: str, ours: dict, theirs: dict) -> None:
+        read = verdict(ours, theirs) + (" (**stale**)" if r["stale"] else "")
+        body.append([what, against, ratio(ours, theirs), read])
 
     def first(key):
         return results[key][0] if results.get(key) else None
@@ -1149,6 +1182,7 @@ def headline(results: dict[str, list[dict]]) -> str:
             for k in [k for k in against if picked and k in picked]:
                 ours = "dsp-op" if k == "deepspeed" else "dsp"
                 row_(
+                    r,
                     f"all-reduce {size(nbytes)}, 2 ranks"
                     + (" (direct op)" if ours == "dsp-op" else ""),
                     {"gloo": "gloo", "mpi": "Open MPI", "deepspeed": "DeepSpeed's shm op"}[k],
@@ -1160,19 +1194,20 @@ def headline(results: dict[str, list[dict]]) -> str:
         if picked:
             for k in ("gloo", "MPI"):
                 if k in picked:
-                    row_("send/recv 64 KiB, one way", k, picked["dsp"], picked[k])
+                    row_(r, "send/recv 64 KiB, one way", k, picked["dsp"], picked[k])
     if r := first("ddp"):
         for x in r["rows"]:
             what = f"DDP step, {x['model']}, {r['config']['world']} ranks"
-            row_(what, "torch DDP over gloo", x["dsparallel/dsp_s"], x["torch/gloo_s"])
+            row_(r, what, "torch DDP over gloo", x["dsparallel/dsp_s"], x["torch/gloo_s"])
             # The same backend under both: what our reducer itself gives.
-            row_(what, 'torch DDP over "dsp"', x["dsparallel/dsp_s"], x["torch/dsp_s"])
+            row_(r, what, 'torch DDP over "dsp"', x["dsparallel/dsp_s"], x["torch/dsp_s"])
     if r := first("zero"):
         for world in sorted({x["world"] for x in r["rows"]}):
             ours = _pick(r["rows"], world=world, config="ours-zero2")
             best = _pick(r["rows"], world=world, config="ddp+torch-zero1-fused")
             if ours and best:
                 row_(
+                    r,
                     f"ZeRO-2 step, {world} ranks",
                     "torch ZeroRedundancyOptimizer, fused AdamW",
                     ours["step_s"],
@@ -1184,6 +1219,7 @@ def headline(results: dict[str, list[dict]]) -> str:
         a = min(ours, key=lambda x: x["step_s"]["median"])
         b = min(theirs, key=lambda x: x["step_s"]["median"])
         row_(
+            r,
             f"pipeline step, {r['config']['ranks']} ranks, fastest schedule ({a['schedule']})",
             f"torch.distributed.pipelining, fastest ({b['schedule']})",
             a["step_s"],
@@ -1192,6 +1228,7 @@ def headline(results: dict[str, list[dict]]) -> str:
     if r := first("tensor_parallel"):
         x = r["rows"][-1]
         row_(
+            r,
             f"tensor-parallel block, hidden {x['hidden']}, 2 ranks",
             'torch `parallelize_module` over "dsp"',
             x["ours TP / dsp"],
@@ -1202,6 +1239,7 @@ def headline(results: dict[str, list[dict]]) -> str:
         if timed:
             x = timed[-1]
             row_(
+                r,
                 f"MoE dispatch + combine, {x['tokens']} x {x['hidden']}, 2 ranks",
                 "torch ops over gloo",
                 x["ours / dsp"],
@@ -1243,6 +1281,7 @@ def _end_to_end(first, row_) -> None:
             for x in [same] + ([best] if best is not same else []):
                 if x:
                     row_(
+                        r,
                         f"{name} training step, 4 ranks, {x['layout']}",
                         "transformers + torch DDP, its best",
                         per_token(x["tokens_per_s"]),
@@ -1255,6 +1294,7 @@ def _end_to_end(first, row_) -> None:
             ours = fastest([x for x in rows if x["precision"] == "mixed bf16"])
             if theirs and ours:
                 row_(
+                    r,
                     f"{name} bf16 training step, 4 ranks, {ours['layout']}",
                     "transformers + torch DDP under autocast, its best",
                     per_token(ours["tokens_per_s"]),
@@ -1265,6 +1305,7 @@ def _end_to_end(first, row_) -> None:
         ours = fastest([x for x in r["rows"] if x["system"] == "dsparallel"])
         if theirs and ours:
             row_(
+                r,
                 f"the trainer, 2 ranks, {ours['layout'].split(', ', 1)[-1]}",
                 "the transformers Trainer, its best",
                 per_token(ours["tokens_per_s"]),
@@ -1280,6 +1321,7 @@ def _end_to_end(first, row_) -> None:
         theirs = min(rest, key=lambda x: x["batch1"]["latency_s"]["median"]) if rest else None
         if ours and theirs:
             row_(
+                r,
                 f"decoding, batch 1, tp 2{', ' + dtype if dtype else ''}",
                 f"the fastest other: {theirs['system']}",
                 ours["batch1"]["latency_s"],

@@ -38,3 +38,41 @@ def test_readme_stays_a_five_minute_read():
     with open(os.path.join(ROOT, "README.md")) as f:
         lines = f.read().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_a_result_is_stale_once_the_files_it_measured_change(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import report
+        from sources import paths, sources_hash
+    finally:
+        sys.path.pop(0)
+    machine = {"commit": "0000000"}
+    now = sources_hash("collectives")
+    assert report.stale({"benchmark": "collectives", "machine": machine, "sources": now}) is None
+    # The hash changes with any file a benchmark measures, and only with those.
+    assert "csrc/backend" in paths("collectives") and "csrc/backend" not in paths("grouped_mlp")
+    changed = {"benchmark": "collectives", "machine": machine, "sources": now[::-1]}
+    assert "changed since 0000000" in report.stale(changed)
+    # Without a recorded hash, uncommitted code cannot be told apart.
+    dirty = {"benchmark": "collectives", "machine": {"commit": "0000000+changes"}}
+    assert "uncommitted" in report.stale(dirty)
+    # A commit's files hash as the tree's do when nothing measured changed.
+    head = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    clean = subprocess.run(
+        [
+            "git",
+            "-C",
+            ROOT,
+            "status",
+            "--porcelain",
+            "--",
+            *[p.lstrip("!") for p in paths("floor")],
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout
+    if not clean:
+        assert sources_hash("floor", head) == sources_hash("floor")
