@@ -100,18 +100,18 @@ def load() -> dict[str, list[dict]]:
 
 def stale(r: dict) -> str | None:
     """Why the result no longer measures the code in this tree, or None:
-    the files its benchmark measures (benchmarks/sources.py) hash otherwise
-    now than when it was measured. A result from before results recorded
-    the hash is held against its commit's files; one measured on
-    uncommitted code without a hash cannot be, and is stale."""
-    now = sources_hash(r["benchmark"])
-    then = r.get("sources")
+    the files its benchmark measures (benchmarks/sources.py) differ from
+    what they were when it was measured. A result measured on a commit is
+    held against that commit's files (through the lists as they are now);
+    one measured on uncommitted code against the hash it recorded."""
     commit = r["machine"]["commit"]
-    if then is None:
-        if "+" in commit or commit == "unknown":
+    if "+" in commit or commit == "unknown":
+        then = r.get("sources")
+        if then is None:
             return f"measured on uncommitted code ({commit}) and recorded no source hash"
+    else:
         then = sources_hash(r["benchmark"], commit)
-    if then != now:
+    if then != sources_hash(r["benchmark"]):
         return f"the files it measures have changed since {commit.split('+')[0]}"
     return None
 

@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# iproute2 and util-linux: the tests that build network and mount namespaces.
-APT_PACKAGES=(cmake ninja-build libgtest-dev g++ iproute2 util-linux)
+# iproute2 and util-linux: the tests that build network and mount namespaces;
+# chromium and its driver: the docs check (scripts/check_site.py).
+APT_PACKAGES=(cmake ninja-build libgtest-dev g++ iproute2 util-linux chromium chromium-driver)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -28,7 +29,7 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
   "torch==${DSP_TORCH_VERSION:-2.13.0}" numpy matplotlib tqdm pytest pytest-timeout ninja ruff \
   setuptools wheel expecttest build transformers==5.25.0 safetensors==0.8.0 \
   datasets==5.2.0 tensorboard==2.21.0 accelerate==1.13.0 lightning==2.6.0 \
-  fastapi==0.165.0 uvicorn==0.55.0 openai==3.63.0 \
+  fastapi==0.165.0 uvicorn==0.55.0 openai==3.63.0 selenium==4.51.0 \
   mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null

@@ -42,7 +42,11 @@ conformance() {
 [[ -n "${DSP_STAGE_TABLE_LATER:-}" ]] || trap stage_table EXIT
 stage "setup (install, build)" bash scripts/setup.sh
 stage "lint (ruff)" lint
-stage "docs (mkdocs build --strict)" "$PY" -m mkdocs build --strict --quiet --site-dir build/site
+docs() {
+  "$PY" -m mkdocs build --strict --quiet --site-dir build/site &&
+    "$PY" scripts/check_site.py build/site --shots build/site-shots
+}
+stage "docs (mkdocs build --strict, every page in headless Chromium)" docs
 # --no-tests=error: a build that registered no test fails instead of passing.
 stage "GoogleTest (core)" ctest --test-dir build --output-on-failure --no-tests=error
 stage "GoogleTest (core) under ThreadSanitizer" sanitizer scripts/tsan.sh

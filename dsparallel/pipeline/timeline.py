@@ -232,30 +232,62 @@ def plot_schedule(
     else:
         panels = [(schedule_or_trace, "measured")]
     rows = sum(len(trace) for trace, _ in panels)
+    # 10 inches at 110 dpi: a docs page shows it at about 0.65 of its width,
+    # where 8 pt labels are still 7.5 px high.
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(12, 0.6 * rows + 1.2 * len(panels)), sharex=True, squeeze=False
+        len(panels), 1, figsize=(10, 0.6 * rows + 1.2 * len(panels)), sharex=True, squeeze=False
     )
+    labels = []
     for ax, (trace, label) in zip(axes[:, 0], panels):
-        _draw(ax, trace)
+        labels += _draw(ax, trace)
         ax.set_title(f"{label} timeline, bubble {bubble(trace):.1%}")
     axes[-1, 0].set_xlabel("slot" if planned and measured is None else "seconds")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # A box keeps its whole name ("1F3") where it fits, else its micro-batch
+    # ("3": the colour gives the kind), else nothing: a long step's boxes
+    # are narrower than their names, which would run into each other.
+    renderer = fig.canvas.get_renderer()
+    for text, ax, width in labels:
+        box = ax.transData.transform((width, 0))[0] - ax.transData.transform((0, 0))[0]
+        if text.get_window_extent(renderer).width > box - 2:
+            text.set_text(str(parse_action(text.get_text())[2]))
+            text.set_visible(text.get_window_extent(renderer).width <= box - 2)
+    # The smallest text's height in pixels, for the docs' readability check.
+    smallest = f"{_LABEL_PT * DPI / 72:.1f}"
+    fig.savefig(
+        path, dpi=DPI, metadata={"smallest_text_px": smallest} if path.endswith(".png") else None
+    )
     plt.close(fig)
     return path
 
 
-def _draw(ax, trace: Trace) -> None:
-    """One row per rank, from the trace's first start."""
+DPI = 110
+_LABEL_PT = 8
+
+
+def _draw(ax, trace: Trace) -> list:
+    """One row per rank, from the trace's first start; returns each box's
+    label with its axes and width."""
     t0 = min((s for rank in trace for _, s, _ in rank), default=0.0)
+    labels = []
     for r, rank in enumerate(trace):
         for text, s, e in rank:
             kind = parse_action(text)[1][:1]
             ax.broken_barh(
                 [(s - t0, e - s)], (r - 0.4, 0.8), color=_COLORS[kind], edgecolor="white"
             )
-            ax.text((s + e) / 2 - t0, r, text, ha="center", va="center", fontsize=7, color="white")
+            label = ax.text(
+                (s + e) / 2 - t0,
+                r,
+                text,
+                ha="center",
+                va="center",
+                fontsize=_LABEL_PT,
+                color="white",
+            )
+            labels.append((label, ax, e - s))
     ax.set_yticks(range(len(trace)), [f"rank {r}" for r in range(len(trace))])
     ax.invert_yaxis()
+    return labels

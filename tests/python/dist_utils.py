@@ -146,15 +146,18 @@ def run_ranks(
     return [got[r][1] if r in got else None for r in range(world_size)]
 
 
-def _script_body(rank, world, path, argv):
+def _script_body(rank, world, path, argv, cwd):
     """Runs a script's ``__main__`` in this rank as torchrun would (the env://
-    variables are set, the script's folder first on sys.path); returns what
-    it printed. A non-zero exit raises, with the output."""
+    variables are set, the script's folder first on sys.path), in ``cwd``
+    if given; returns what it printed. A non-zero exit raises, with the
+    output."""
     import contextlib
     import io
     import runpy
     import sys
 
+    if cwd:
+        os.chdir(cwd)
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(path))
     out = io.StringIO()
@@ -168,12 +171,14 @@ def _script_body(rank, world, path, argv):
     return out.getvalue()
 
 
-def run_script(path, *argv, nproc=2, timeout=240) -> str:
+def run_script(path, *argv, nproc=2, timeout=240, cwd=None) -> str:
     """A torchrun script's job in ranks forked from a server that already
     imported torch (seconds cheaper per rank than torchrun's fresh
     interpreters); returns what the ranks printed, in rank order (torchrun
     merges them). The scripts initialise their own group, as under torchrun."""
-    return "".join(run_ranks(_script_body, nproc, path, list(argv), init=False, timeout=timeout))
+    return "".join(
+        run_ranks(_script_body, nproc, path, list(argv), cwd, init=False, timeout=timeout)
+    )
 
 
 def expect_raises(kind, fn, *needles):

@@ -40,39 +40,68 @@ def test_readme_stays_a_five_minute_read():
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
 
 
-def test_a_result_is_stale_once_the_files_it_measured_change(tmp_path):
+def test_a_result_is_stale_once_the_files_it_measured_change():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import report
         from sources import paths, sources_hash
     finally:
         sys.path.pop(0)
-    machine = {"commit": "0000000"}
-    now = sources_hash("collectives")
-    assert report.stale({"benchmark": "collectives", "machine": machine, "sources": now}) is None
-    # The hash changes with any file a benchmark measures, and only with those.
+
+    def git(*args):
+        done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
+        return done.stdout.strip()
+
+    def result(benchmark, commit, **more):
+        return {"benchmark": benchmark, "machine": {"commit": commit}, **more}
+
+    # Each benchmark hashes its own files only.
     assert "csrc/backend" in paths("collectives") and "csrc/backend" not in paths("grouped_mlp")
-    changed = {"benchmark": "collectives", "machine": machine, "sources": now[::-1]}
-    assert "changed since 0000000" in report.stale(changed)
-    # Without a recorded hash, uncommitted code cannot be told apart.
-    dirty = {"benchmark": "collectives", "machine": {"commit": "0000000+changes"}}
-    assert "uncommitted" in report.stale(dirty)
-    # A commit's files hash as the tree's do when nothing measured changed.
-    head = subprocess.run(
-        ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    clean = subprocess.run(
-        [
-            "git",
-            "-C",
-            ROOT,
-            "status",
-            "--porcelain",
-            "--",
-            *[p.lstrip("!") for p in paths("floor")],
-        ],
-        capture_output=True,
-        text=True,
-    ).stdout
-    if not clean:
-        assert sources_hash("floor", head) == sources_hash("floor")
+    # At a commit: held against that commit's files.
+    first = git("rev-list", "--max-parents=0", "HEAD")[:7]
+    assert f"changed since {first}" in report.stale(result("collectives", first))
+    head = git("rev-parse", "--short", "HEAD")
+    measured = [p.lstrip("!") for p in paths("floor")]
+    if not git("status", "--porcelain", "--", *measured):
+        assert report.stale(result("floor", head)) is None
+    # On uncommitted code: held against the hash it recorded, if any.
+    now = sources_hash("floor")
+    assert report.stale(result("floor", f"{head}+changes", sources=now)) is None
+    assert "changed since" in report.stale(result("floor", f"{head}+changes", sources=now[::-1]))
+    assert "uncommitted" in report.stale(result("floor", f"{head}+changes"))
+
+
+def test_the_site_check_finds_what_is_clipped_or_too_small(tmp_path, capsys):
+    """scripts/check_site.py, which the docs stage runs on the built site,
+    fails a page whose table is cut off or whose figure is shrunk past
+    reading, and passes the same page fixed."""
+    from dist_utils import require
+
+    require(os.path.exists("/usr/bin/chromedriver"), "chromium-driver is not installed")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import check_site
+    finally:
+        sys.path.pop(0)
+    from PIL import Image
+
+    Image.new("RGB", (3000, 300), "white").save(tmp_path / "wide.png")
+    cells = "".join(f"<td>column{i}</td>" for i in range(40))
+
+    def check(table_box: str, figure: str) -> str:
+        (tmp_path / "index.html").write_text(
+            "<html><body><div class='md-content__inner' style='width:600px'>"
+            f"<div style='{table_box}'><table><tr>{cells}</tr></table></div>"
+            f"{figure}</div></body></html>"
+        )
+        code = check_site.main([str(tmp_path), "--shots", str(tmp_path / "shots")])
+        return f"{code} {capsys.readouterr().out}"
+
+    out = check("overflow-x:hidden", "<img src='wide.png' style='width:100%'>")
+    assert out.startswith("1 "), out
+    assert "clipped, wider than the column: table" in out, out
+    assert "figure wide.png shown at 0.20: its text 2.8 px high" in out, out
+    # The table scrolls; the figure at 0.6 of its width, in a box that scrolls.
+    fixed = "<div style='overflow-x:auto'><img src='wide.png' style='width:1800px'></div>"
+    out = check("overflow-x:auto", fixed)
+    assert out.startswith("0 "), out
