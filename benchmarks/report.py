@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from sources import sources_hash
+from sources import sources, sources_hash
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -109,11 +109,16 @@ def stale(r: dict) -> str | None:
         then = r.get("sources")
         if then is None:
             return f"measured on uncommitted code ({commit}) and recorded no source hash"
-    else:
-        then = sources_hash(r["benchmark"], commit)
-    if then != sources_hash(r["benchmark"]):
-        return f"the files it measures have changed since {commit.split('+')[0]}"
-    return None
+        if then != sources_hash(r["benchmark"]):
+            return f"the files it measures have changed since {commit}"
+        return None
+    before, now = sources(r["benchmark"], commit), sources(r["benchmark"])
+    changed = sorted(p for p in before.keys() | now.keys() if before.get(p) != now.get(p))
+    if not changed:
+        return None
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    named = ", ".join(f"`{p}`" for p in changed[:3])
+    return f"{named}{more} changed since {commit}, where it was measured"
 
 
 def _floor(r):

@@ -148,19 +148,22 @@ def paths(benchmark: str) -> list[str]:
     return [f"benchmarks/{script}", *BUILD, *measured]
 
 
-def sources_hash(benchmark: str, commit: str | None = None) -> str:
-    """A hash of the benchmark's source files: as they are in the working
-    tree (tracked and untracked, not ignored), or at ``commit``."""
+def sources(benchmark: str, commit: str | None = None) -> dict[str, str]:
+    """The benchmark's source files and their git blob ids: as they are in
+    the working tree (tracked and untracked, not ignored), or at ``commit``."""
     prefixes = paths(benchmark)
     if commit:
         listing = [line.split(None, 3) for line in _git("ls-tree", "-r", commit).splitlines()]
-        blobs = sorted((path, blob) for _, _, blob, path in listing if _matches(path, prefixes))
-    else:
-        files = _git("ls-files", "--cached", "--others", "--exclude-standard").splitlines()
-        files = sorted(
-            f for f in set(files) if _matches(f, prefixes) and os.path.exists(os.path.join(ROOT, f))
-        )
-        ids = _git("hash-object", "--stdin-paths", stdin="\n".join(files) + "\n").split()
-        blobs = list(zip(files, ids))
-    text = "".join(f"{path} {blob}\n" for path, blob in blobs)
+        return {path: blob for _, _, blob, path in listing if _matches(path, prefixes)}
+    files = _git("ls-files", "--cached", "--others", "--exclude-standard").splitlines()
+    files = sorted(
+        f for f in set(files) if _matches(f, prefixes) and os.path.exists(os.path.join(ROOT, f))
+    )
+    ids = _git("hash-object", "--stdin-paths", stdin="\n".join(files) + "\n").split()
+    return dict(zip(files, ids))
+
+
+def sources_hash(benchmark: str, commit: str | None = None) -> str:
+    """One hash of ``sources(benchmark, commit)``."""
+    text = "".join(f"{path} {blob}\n" for path, blob in sorted(sources(benchmark, commit).items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

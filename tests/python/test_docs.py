@@ -59,7 +59,8 @@ def test_a_result_is_stale_once_the_files_it_measured_change():
     assert "csrc/backend" in paths("collectives") and "csrc/backend" not in paths("grouped_mlp")
     # At a commit: held against that commit's files.
     first = git("rev-list", "--max-parents=0", "HEAD")[:7]
-    assert f"changed since {first}" in report.stale(result("collectives", first))
+    why = report.stale(result("collectives", first))
+    assert why.startswith("`") and f"more changed since {first}" in why, why
     head = git("rev-parse", "--short", "HEAD")
     measured = [p.lstrip("!") for p in paths("floor")]
     if not git("status", "--porcelain", "--", *measured):
